@@ -1,0 +1,27 @@
+# `make demo` and `make test` set up .venv on first use (python3 -m venv + requirements.txt).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m experiments.bench --suite=mixers --out=runs/bench
+	$(PY) -m experiments.bench --suite=decode --out=runs/bench
+	$(PY) -m experiments.bench --suite=train --out=runs/bench
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,92 @@
+"""Default configuration: every field the library reads, with its default.
+
+Experiment files start from `get_config()` and change what they need. Any field can be
+overridden on the command line, e.g.
+
+  python -m experiments.train --config=configs/base.py --workdir=/tmp/run \
+      --config.model.attention=gqa --config.model.num_kv_heads=2
+"""
+
+import ml_collections
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+
+  config.model = ml_collections.ConfigDict()
+  m = config.model
+  m.attention = "mha"  # research.attention.REGISTRY: mha, mqa, gqa, linear, mamba
+  m.position = "rope"  # research.positions.REGISTRY: none, sinusoidal, rope, alibi
+  m.layer_pattern = ()  # hybrids, e.g. ("mamba", "mamba", "mha"), tiled to num_layers
+  m.num_layers = 2
+  m.d_model = 128
+  m.num_heads = 4
+  m.num_kv_heads = 4  # gqa only; mha uses num_heads, mqa uses 1
+  m.mlp_ratio = 4  # 0 drops the MLP (pure Mamba-style stacks)
+  m.vocab_size = 258  # 256 bytes + end-of-document + padding
+  m.attention_backend = "xla"  # xla | blockwise | cudnn
+  m.block_size = 128  # blockwise attention query/key block
+  m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
+  # RoPE (arXiv:2104.09864) and its context extension, usable at evaluation time.
+  m.rope_base = 10000.0
+  m.rope_scaling = "none"  # none | pi | ntk | yarn
+  m.rope_scaling_factor = 1.0  # s = L_target / L_train
+  m.rope_original_length = 128  # L_train, for YaRN's NTK-by-parts ramp
+  # Linear attention (arXiv:2006.16236).
+  m.linear_feature_map = "elu"  # elu | relu
+  m.linear_chunk_size = 64
+  # Mamba selective SSM (arXiv:2312.00752).
+  m.ssm_state_size = 16
+  m.ssm_conv_width = 4
+  m.ssm_expand = 2
+  m.ssm_dt_rank = 0  # 0: ceil(d_model / 16)
+  m.ssm_chunk_size = 64
+
+  config.data = ml_collections.ConfigDict()
+  d = config.data
+  d.name = "stdlib_bytes"  # research.data: stdlib_bytes, text_dir, copy, reverse, sort, mqar, induction, pg19, lm1b
+  d.dir = ""  # prepared datasets; "" means $RESEARCH_DATA_DIR or ~/.cache/research_data
+  d.corpus_path = ""  # text_dir: a directory or glob of text files
+  d.task_vocab_size = 16  # synthetic tasks: number of symbol tokens
+  d.train_min_length = 1  # synthetic tasks: training lengths U(min, max) in symbols
+  d.train_max_length = 40
+  d.num_kv_pairs = 8  # mqar
+  d.num_train_examples = 100_000  # synthetic tasks
+  d.num_eval_examples = 256  # synthetic tasks, per evaluation length
+
+  config.train = ml_collections.ConfigDict()
+  t = config.train
+  t.num_steps = 200
+  t.batch_size = 32  # global, over all processes
+  t.seq_len = 128
+  t.learning_rate = 3e-3
+  t.warmup_steps = 50
+  t.end_learning_rate_fraction = 0.1
+  t.weight_decay = 0.1
+  t.grad_clip_norm = 1.0
+  t.grad_accum_steps = 1
+  t.seed = 0
+  t.log_every = 20
+  t.eval_every = 0  # validation loss every N steps; 0: only at the end
+  t.eval_batches = 4
+  t.checkpoint_every = 100
+  t.keep_checkpoints = 2
+  t.tensorboard = False
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.shape = (-1, 1, 1)  # sizes of the (data, fsdp, tensor) axes; -1 fills
+
+  config.distributed = ml_collections.ConfigDict()
+  config.distributed.coordinator_address = ""  # "host:port" turns on jax.distributed
+  config.distributed.num_processes = 1
+  config.distributed.process_id = 0
+
+  config.eval = ml_collections.ConfigDict()
+  e = config.eval
+  e.lengths = (128, 256, 512, 1024)
+  e.modes = ("nonoverlapping", "sliding")
+  e.sliding_stride = 0  # 0: half the training length
+  e.num_tokens = 16384  # scored tokens per (length, mode), taken from the same text
+  e.batch_size = 8
+  e.rope_scalings = ()  # extra rows for RoPE runs, e.g. ("pi", "ntk", "yarn")
+  return config

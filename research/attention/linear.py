@@ -1,0 +1,123 @@
+"""Causal linear attention (Katharopoulos et al., "Transformers are RNNs", arXiv:2006.16236).
+
+  phi(x) = elu(x) + 1   (or relu(x))
+  S_i = sum_{j<=i} phi(k_j) v_j^T,   z_i = sum_{j<=i} phi(k_j),
+  o_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps).
+With RoPE, phi(q) and phi(k) are rotated in the numerator only, so the denominator stays
+positive (RoFormer, arXiv:2104.09864, eq. 19).
+
+Training uses the chunkwise-parallel form: within a chunk of C tokens a masked [C, C] matmul,
+across chunks the running state (S, z), so nothing of size [batch, length, heads, d, d] is ever
+built; each chunk is rematerialised in the backward pass. Decoding runs the same code on the new
+tokens from the cached state. The feature map, the state and the denominator are float32: in
+bf16, elu(x) + 1 underflows for very negative x and the denominator collapses.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from research import nn
+from research import positions as positions_lib
+from research.attention import base
+
+FEATURE_MAPS = {"elu": lambda x: jax.nn.elu(x) + 1.0, "relu": jax.nn.relu}
+EPSILON = 1e-6
+
+
+def _chunk(carry, chunk):
+  """One chunk: outputs from the carried state plus the causal intra-chunk part.
+
+  chunk = (q, k, v) or, with RoPE, (q, k, v, q_rot, k_rot); [B, C, N, H] each, float32.
+  """
+  state_BxNxHxH, normalizer_BxNxH = carry
+  q, k, v = chunk[:3]
+  q_rot, k_rot = chunk[3:] or (q, k)
+  causal_CxC = jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))
+  scores = jnp.where(causal_CxC, jnp.einsum("bcnh,bsnh->bncs", q_rot, k_rot), 0.0)
+  numerator = (jnp.einsum("bncs,bsnh->bcnh", scores, v)
+               + jnp.einsum("bcnh,bnhe->bcne", q_rot, state_BxNxHxH))
+  if q_rot is not q:  # rotated numerator, unrotated denominator
+    scores = jnp.where(causal_CxC, jnp.einsum("bcnh,bsnh->bncs", q, k), 0.0)
+  denominator = scores.sum(-1).transpose(0, 2, 1) + jnp.einsum("bcnh,bnh->bcn", q, normalizer_BxNxH)
+  out = numerator / (denominator[..., None] + EPSILON)
+  state_BxNxHxH = state_BxNxHxH + jnp.einsum("bsnh,bsne->bnhe", k_rot, v)
+  normalizer_BxNxH = normalizer_BxNxH + k.sum(1)
+  return (state_BxNxHxH, normalizer_BxNxH), out
+
+
+def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64, rotate=None):
+  """Causal linear attention of q, k, v [B, L, N, H] from `state` = (S [B,N,H,H], z [B,N,H]).
+
+  `rotate(x, positions)` applies RoPE to the features (positions 0..L-1 after the state's).
+  Returns (outputs [B, L, N, H] float32, final state).
+  """
+  b, length, n, h = q.shape
+  phi = FEATURE_MAPS[feature_map]
+  q, k, v = (phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32)), v.astype(jnp.float32))
+  chunk = min(chunk_size, length)
+  padded = -(-length // chunk) * chunk
+
+  def to_chunks(x):  # zero padding adds nothing to the state: phi(k) is masked out below
+    x = jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
+    return x.reshape(b, padded // chunk, chunk, n, h).swapaxes(0, 1)
+
+  valid = (jnp.arange(padded) < length).reshape(padded // chunk, 1, chunk, 1, 1)
+  chunks = (to_chunks(q), to_chunks(k) * valid, to_chunks(v))
+  if rotate is not None:
+    chunks += (to_chunks(rotate(q)), to_chunks(rotate(k)) * valid)
+  state, out = jax.lax.scan(jax.checkpoint(_chunk), state, chunks)
+  return out.swapaxes(0, 1).reshape(b, padded, n, h)[:, :length], state
+
+
+class LinearAttention(base.Mixer):
+  supported_positions = (positions_lib.NONE, positions_lib.EMBED, positions_lib.QK)
+
+  @classmethod
+  def validate(cls, model_config):
+    if model_config.linear_feature_map not in FEATURE_MAPS:
+      raise ValueError(f"unknown model.linear_feature_map {model_config.linear_feature_map!r}; "
+                       f"valid: {', '.join(FEATURE_MAPS)}")
+    if model_config.linear_chunk_size < 1:
+      raise ValueError(f"model.linear_chunk_size must be >= 1, got {model_config.linear_chunk_size}")
+
+  def __init__(self, model_config, position, *, rngs):
+    d, n = model_config.d_model, model_config.num_heads
+    h = d // n
+    self.position = position
+    self.num_heads, self.head_dim = n, h
+    self.feature_map = model_config.linear_feature_map
+    self.chunk_size = model_config.linear_chunk_size
+    self.dtype = nn.compute_dtype(model_config)
+    project = lambda: nn.dense("BLD,DNH->BLNH", (d, n, h), ("embed", "heads", "head_dim"),
+                               rngs=rngs, dtype=self.dtype)
+    self.query, self.key, self.value = project(), project(), project()
+    self.out = nn.dense("BLNH,NHD->BLD", (n, h, d), ("heads", "head_dim", "embed"), rngs=rngs,
+                        dtype=self.dtype)
+
+  def _mix(self, x_BxTxD, state, index):
+    rotate = None
+    if self.position.kind == positions_lib.QK:
+      positions_T = index + jnp.arange(x_BxTxD.shape[1])
+      rotate = lambda x: self.position.rotate(x, positions_T)
+    y, state = chunked_linear_attention(
+        self.query(x_BxTxD), self.key(x_BxTxD), self.value(x_BxTxD), state,
+        feature_map=self.feature_map, chunk_size=self.chunk_size, rotate=rotate)
+    return self.out(y.astype(self.dtype)), state
+
+  def __call__(self, x_BxLxD, positions_L):
+    del positions_L  # the sequence starts at position 0
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), 0)[0]
+
+  def init_cache(self, batch_size, max_length):
+    del max_length  # the state has a fixed size
+    n, h = self.num_heads, self.head_dim
+    return (jnp.zeros((batch_size, n, h, h), jnp.float32), jnp.zeros((batch_size, n, h), jnp.float32))
+
+  def decode(self, x_BxTxD, cache, index):
+    return self._mix(x_BxTxD, cache, index)
+
+  def mixing_flops_per_token(self, context_length):
+    n, h, c = self.num_heads, self.head_dim, min(self.chunk_size, context_length)
+    intra = 2 * 2 * n * h * (c + 1) / 2  # masked scores and scores @ v within the chunk
+    inter = 2 * 2 * n * h * h  # q @ S and the state update k v^T
+    return intra + inter

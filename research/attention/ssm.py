@@ -1,0 +1,142 @@
+"""Mamba selective state-space mixer (Gu & Dao, arXiv:2312.00752).
+
+  x, z = in_proj(u);  x = silu(causal_depthwise_conv(x))            (width 4)
+  dt, B, C = x_proj(x);  delta = softplus(dt_proj(dt))               (dt_proj bias = softplus^-1(dt0),
+                                                                      dt0 ~ logU[1e-3, 1e-1])
+  A = -exp(A_log),  A_log = log(1..N)
+  h_t = exp(delta_t A) * h_{t-1} + delta_t B_t x_t,   y_t = C_t h_t + D x_t
+  out = out_proj(y * silu(z))
+The scan runs in chunks: inside a chunk an associative scan, across chunks the carried state;
+each chunk is rematerialised in the backward pass, so memory grows with length as
+[batch, length, d_inner] plus one [batch, d_inner, N] state per chunk, never
+[batch, length, d_inner, N]. The decode state is the conv window and the SSM state.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from research import nn
+from research import positions as positions_lib
+from research.attention import base
+
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
+
+
+def _combine(left, right):
+  """Composition of the affine maps h -> a h + b (left first), for the associative scan."""
+  a_left, b_left = left
+  a_right, b_right = right
+  return a_left * a_right, a_right * b_left + b_right
+
+
+def _chunk(h_BxExN, chunk, A_ExN):
+  x, delta, B, C = chunk  # [b, c, E], [b, c, E], [b, c, N], [b, c, N]
+  decay = jnp.exp(delta[..., None] * A_ExN)
+  drive = (delta * x)[..., None] * B[:, :, None, :]
+  decay_cum, drive_cum = jax.lax.associative_scan(_combine, (decay, drive), axis=1)
+  h = decay_cum * h_BxExN[:, None] + drive_cum
+  return h[:, -1], jnp.einsum("bcen,bcn->bce", h, C)
+
+
+def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64):
+  """y_t = C_t h_t with h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t, from h0, in chunks.
+
+  x, delta: [b, L, E]; A: [E, N]; B, C: [b, L, N]; h0: [b, E, N]. Returns (y [b, L, E], h_L).
+  The D x skip term is the caller's.
+  """
+  b, length, _ = x.shape
+  chunk = min(chunk_size, length)
+  padded = -(-length // chunk) * chunk
+
+  def to_chunks(t):  # padding has delta = 0: decay 1 and drive 0 leave the state unchanged
+    t = jnp.pad(t, [(0, 0), (0, padded - length), (0, 0)])
+    return t.reshape(b, padded // chunk, chunk, t.shape[-1]).swapaxes(0, 1)
+
+  body = jax.checkpoint(lambda h, c: _chunk(h, c, A))
+  h, y = jax.lax.scan(body, h0, tuple(map(to_chunks, (x, delta, B, C))))
+  return y.swapaxes(0, 1).reshape(b, padded, -1)[:, :length], h
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+  """softplus^-1(dt0), dt0 ~ logU[DT_MIN, DT_MAX] floored at DT_FLOOR (paper, section 3.6)."""
+  u = jax.random.uniform(key, shape, jnp.float32)
+  dt = jnp.maximum(jnp.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)), DT_FLOOR)
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+class Mamba(base.Mixer):
+  supported_positions = (positions_lib.NONE, positions_lib.EMBED)
+  recurrent = True
+
+  @classmethod
+  def validate(cls, model_config):
+    for field in ("ssm_state_size", "ssm_conv_width", "ssm_expand", "ssm_chunk_size"):
+      if model_config[field] < 1:
+        raise ValueError(f"model.{field} must be >= 1, got {model_config[field]}")
+
+  def __init__(self, model_config, position, *, rngs):
+    d = model_config.d_model
+    e = model_config.ssm_expand * d
+    n = model_config.ssm_state_size
+    r = model_config.ssm_dt_rank or math.ceil(d / 16)
+    self.d_inner, self.state_size, self.dt_rank = e, n, r
+    self.conv_width = model_config.ssm_conv_width
+    self.chunk_size = model_config.ssm_chunk_size
+    self.dtype = dtype = nn.compute_dtype(model_config)
+    self.in_proj = nn.dense("BLD,DE->BLE", (d, 2 * e), ("embed", "mlp"), rngs=rngs, dtype=dtype)
+    self.conv_kernel = nnx.Param(
+        nnx.initializers.lecun_normal(in_axis=0, out_axis=1)(
+            rngs.params(), (self.conv_width, e)), logical_axes=("conv", "mlp"))
+    self.conv_bias = nnx.Param(jnp.zeros((e,)), logical_axes=("mlp",))
+    self.x_proj = nn.dense("BLE,EF->BLF", (e, r + 2 * n), ("mlp", "ssm_proj"), rngs=rngs,
+                           dtype=dtype)
+    self.dt_proj = nn.dense(
+        "BLR,RE->BLE", (r, e), ("ssm_proj", "mlp"), bias_shape=(e,), bias_axes=("mlp",),
+        rngs=rngs, dtype=dtype, bias_init=_dt_bias_init,
+        init=lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -r ** -0.5, r ** -0.5))
+    self.A_log = nnx.Param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))),
+                           logical_axes=("mlp", "state"))
+    self.D = nnx.Param(jnp.ones((e,)), logical_axes=("mlp",))
+    self.out_proj = nn.dense("BLE,ED->BLD", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
+
+  def _conv(self, x_BxTxE, window_BxWxE):
+    """Causal depthwise conv of x after the cached window of the previous width - 1 inputs."""
+    full = jnp.concatenate([window_BxWxE.astype(x_BxTxE.dtype), x_BxTxE], axis=1)
+    kernel = self.conv_kernel.value.astype(x_BxTxE.dtype)
+    t = x_BxTxE.shape[1]
+    y = sum(full[:, i:i + t] * kernel[i] for i in range(self.conv_width))
+    return y + self.conv_bias.value.astype(y.dtype), full[:, t:]
+
+  def _mix(self, u_BxTxD, cache):
+    x, z = jnp.split(self.in_proj(u_BxTxD), 2, axis=-1)
+    x, window = self._conv(x, cache["conv"])
+    x = jax.nn.silu(x)
+    dt, B, C = jnp.split(self.x_proj(x), [self.dt_rank, self.dt_rank + self.state_size], axis=-1)
+    delta = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))
+    A = -jnp.exp(self.A_log.value)
+    x32 = x.astype(jnp.float32)
+    y, h = chunked_selective_scan(x32, delta, A, B.astype(jnp.float32), C.astype(jnp.float32),
+                                  cache["ssm"], chunk_size=self.chunk_size)
+    y = (y + self.D.value * x32).astype(self.dtype) * jax.nn.silu(z)
+    return self.out_proj(y), {"conv": window, "ssm": h}
+
+  def __call__(self, x_BxLxD, positions_L):
+    del positions_L  # order comes from the recurrence
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0))[0]
+
+  def init_cache(self, batch_size, max_length):
+    del max_length  # the state has a fixed size
+    return {"conv": jnp.zeros((batch_size, self.conv_width - 1, self.d_inner), self.dtype),
+            "ssm": jnp.zeros((batch_size, self.d_inner, self.state_size), jnp.float32)}
+
+  def decode(self, x_BxTxD, cache, index):
+    del index
+    return self._mix(x_BxTxD, cache)
+
+  def mixing_flops_per_token(self, context_length):
+    del context_length
+    # decay exp and multiply, drive (2), scan combine (3), C contraction (2); the conv.
+    return 9 * self.d_inner * self.state_size + 2 * self.conv_width * self.d_inner

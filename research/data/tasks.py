@@ -1,0 +1,105 @@
+"""Synthetic length-generalization tasks, one example at a time.
+
+A task writes an example as one token sequence `seq` and a boolean `scored` per position that
+marks the tokens the model must predict. The model trains by next-token prediction on
+inputs = seq[:-1], targets = seq[1:], loss_mask = scored[1:], so the decoder LM loss trains every
+task, and accuracy is exact match over the scored positions. An example's `size` is its number
+of symbols n, except for mqar where it is the number of inputs L.
+
+- copy, reverse, sort (arXiv:2305.16843): x_1..x_n SEP y_1..y_n with y = x, x reversed or x
+  sorted; scored: y. 2n inputs.
+- induction (repeated random tokens, arXiv:2209.11895): P P, P a random prefix of n >= 2 symbols
+  whose first symbol does not recur in P, so that symbol announces the second occurrence;
+  scored: the rest of the second occurrence, which must continue as the first did. 2n - 1 inputs.
+- mqar (Zoology, arXiv:2312.04927): k_1 v_1 .. k_m v_m, then every key queried once: key i at
+  offset 2 g_i after the pairs, followed by its value, with the gaps g_i drawn without replacement
+  from p(g) ∝ g^(a - 1), a = 0.01, and PAD elsewhere; scored: the values after the queries. Keys
+  are distinct symbols from the first half of the symbols, values distinct from the second half.
+  L inputs, which needs 4m <= L.
+"""
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from research.data import vocab as vocab_lib
+
+MQAR_POWER = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """How a task draws an example and how its size relates to a length in input tokens."""
+
+  generate: Callable  # (rng, size, TaskVocab, num_kv_pairs) -> (seq, scored)
+  inputs_for_size: Callable[[int], int]  # input tokens of an example of that size
+  size_for_length: Callable[[int], int]  # largest size that fits in that many inputs
+  min_size: int
+
+
+def _answer_after_separator(transform):
+  def generate(rng, n, vocab, num_kv_pairs):
+    del num_kv_pairs
+    x = rng.integers(0, vocab.num_symbols, n)
+    seq = np.concatenate([x, [vocab.sep], transform(x)])
+    return seq, np.arange(seq.size) > n
+
+  return generate
+
+
+def _induction(rng, n, vocab, num_kv_pairs):
+  del num_kv_pairs
+  first = rng.integers(0, vocab.num_symbols)
+  rest = rng.integers(0, vocab.num_symbols - 1, n - 1)
+  prefix = np.concatenate([[first], rest + (rest >= first)])  # skips `first`
+  seq = np.concatenate([prefix, prefix])
+  return seq, np.arange(seq.size) > n
+
+
+def _mqar(rng, length, vocab, num_kv_pairs):
+  half = vocab.num_symbols // 2
+  keys = rng.choice(half, num_kv_pairs, replace=False)
+  values = half + rng.choice(vocab.num_symbols - half, num_kv_pairs, replace=False)
+  context = 2 * num_kv_pairs
+  slots = (length - context) // 2
+  p = np.arange(1, slots + 1, dtype=np.float64) ** (MQAR_POWER - 1)
+  gaps = rng.choice(slots, num_kv_pairs, replace=False, p=p / p.sum())
+  seq = np.full(length + 1, vocab.pad)
+  seq[0:context:2], seq[1:context:2] = keys, values
+  queries = context + 2 * gaps
+  seq[queries], seq[queries + 1] = keys, values
+  scored = np.zeros(length + 1, bool)
+  scored[queries + 1] = True
+  return seq, scored
+
+
+TASKS = {
+    "copy": Task(_answer_after_separator(lambda x: x), lambda n: 2 * n, lambda l: l // 2, 1),
+    "reverse": Task(_answer_after_separator(lambda x: x[::-1]), lambda n: 2 * n, lambda l: l // 2, 1),
+    "sort": Task(_answer_after_separator(np.sort), lambda n: 2 * n, lambda l: l // 2, 1),
+    "induction": Task(_induction, lambda n: 2 * n - 1, lambda l: (l + 1) // 2, 2),
+    "mqar": Task(_mqar, lambda l: l, lambda l: l, 1),
+}
+
+
+def example(task, rng, size, num_symbols, num_kv_pairs, length):
+  """One example of `size` as inputs, targets (int32 [length]) and loss_mask (float32 [length]).
+
+  The sequence is right-padded with PAD to length + 1 tokens; padding has loss mask 0.
+  """
+  vocab = vocab_lib.TaskVocab(num_symbols)
+  seq, scored = TASKS[task].generate(rng, size, vocab, num_kv_pairs)
+  padded = np.full(length + 1, vocab.pad, np.int32)
+  padded[:seq.size] = seq
+  mask = np.zeros(length + 1, np.float32)
+  mask[:seq.size] = scored
+  return {"inputs": padded[:-1], "targets": padded[1:], "loss_mask": mask[1:]}
+
+
+def train_size(task, rng, min_length, max_length, seq_len):
+  """Size of one training example: U(min_length, max_length) symbols, at least the task's
+  minimum; mqar examples always have seq_len inputs (Zoology trains at one length)."""
+  if task == "mqar":
+    return seq_len
+  return int(rng.integers(max(min_length, TASKS[task].min_size), max_length + 1))
