@@ -21,6 +21,8 @@ from research import positions as positions_lib
 
 class Mixer(nnx.Module):
   supported_positions = positions_lib.KINDS
+  # Values of model.attention_backend this mixer implements; () if it has a single path.
+  backends = ()
   # A recurrent mixer carries order in its state, so in a hybrid it can sit beside layers that
   # take a qk or bias position scheme, and runs without it.
   recurrent = False

@@ -10,7 +10,7 @@ Training uses the chunkwise-parallel form: within a chunk of C tokens a masked [
 across chunks the running state (S, z), so nothing of size [batch, length, heads, d, d] is ever
 built; each chunk is rematerialised in the backward pass. Decoding runs the same code on the new
 tokens from the cached state. The feature map, the state and the denominator are float32: in
-bf16, elu(x) + 1 underflows for very negative x and the denominator collapses.
+bf16, elu(x) + 1 cancels to 0 already at x = -8 and the denominator collapses.
 """
 
 import jax
@@ -20,7 +20,14 @@ from research import nn
 from research import positions as positions_lib
 from research.attention import base
 
-FEATURE_MAPS = {"elu": lambda x: jax.nn.elu(x) + 1.0, "relu": jax.nn.relu}
+
+
+def elu_plus_one(x):
+  """elu(x) + 1, written as exp(x) for x <= 0 so that it never cancels to 0 (1 - 1)."""
+  return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
+
+
+FEATURE_MAPS = {"elu": elu_plus_one, "relu": jax.nn.relu}
 EPSILON = 1e-6
 
 

@@ -26,6 +26,7 @@ BACKENDS = ("xla", "blockwise", "cudnn")
 
 class SoftmaxAttention(base.Mixer):
   """Base of mha / mqa / gqa; subclasses say how many key/value heads."""
+  backends = BACKENDS
 
   @classmethod
   def kv_heads(cls, model_config):

@@ -76,7 +76,8 @@ def _mqar(rng, length, vocab, num_kv_pairs):
 
 TASKS = {
     "copy": Task(_answer_after_separator(lambda x: x), lambda n: 2 * n, lambda l: l // 2, 1),
-    "reverse": Task(_answer_after_separator(lambda x: x[::-1]), lambda n: 2 * n, lambda l: l // 2, 1),
+    "reverse": Task(
+        _answer_after_separator(lambda x: x[::-1]), lambda n: 2 * n, lambda l: l // 2, 1),
     "sort": Task(_answer_after_separator(np.sort), lambda n: 2 * n, lambda l: l // 2, 1),
     "induction": Task(_induction, lambda n: 2 * n - 1, lambda l: (l + 1) // 2, 2),
     "mqar": Task(_mqar, lambda l: l, lambda l: l, 1),

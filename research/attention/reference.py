@@ -1,0 +1,63 @@
+"""Naive reference forms of the mixers' kernels, for tests and as benchmark baselines.
+
+They materialise what the fast paths avoid: the [T, S] attention matrix, the
+[batch, length, heads, d, d] cumulative linear-attention state, the [batch, length, d_inner, N]
+SSM states. Written for clarity, in float32.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def softmax_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, slopes_N=None):
+  """Causal softmax(q k^T / sqrt(H) - slope (i - j)) v with K/V heads repeated to N."""
+  n, h = q_BxTxNxH.shape[2:]
+  group = n // k_BxSxKxH.shape[2]
+  k = jnp.repeat(k_BxSxKxH, group, axis=2)
+  v = jnp.repeat(v_BxSxKxH, group, axis=2)
+  logits = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k) / jnp.sqrt(h)
+  t, s = logits.shape[-2:]
+  distance = (jnp.arange(t)[:, None] - jnp.arange(s)[None, :]).astype(jnp.float32)
+  if slopes_N is not None:
+    logits = logits - slopes_N[:, None, None] * distance
+  logits = jnp.where(distance >= 0, logits, -jnp.inf)
+  return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v)
+
+
+def linear_attention(phi_q, phi_k, v, rotated_q=None, rotated_k=None, eps=1e-6):
+  """o_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps) with S_i, z_i as materialised cumulative sums.
+
+  Inputs are feature-mapped [B, L, N, H]; with RoPE the numerator uses the rotated features.
+  """
+  rotated_q = phi_q if rotated_q is None else rotated_q
+  rotated_k = phi_k if rotated_k is None else rotated_k
+  state = jnp.cumsum(jnp.einsum("blnh,blne->blnhe", rotated_k, v), axis=1)  # [B, L, N, H, H]
+  normalizer = jnp.cumsum(phi_k, axis=1)
+  numerator = jnp.einsum("blnh,blnhe->blne", rotated_q, state)
+  denominator = jnp.einsum("blnh,blnh->bln", phi_q, normalizer)
+  return numerator / (denominator[..., None] + eps)
+
+
+def sequential_selective_scan(x, delta, A, B, C, h0):
+  """h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t, y_t = C_t h_t, one step at a time."""
+
+  def step(h, inputs):
+    x_t, delta_t, B_t, C_t = inputs
+    h = jnp.exp(delta_t[..., None] * A) * h + (delta_t * x_t)[..., None] * B_t[:, None, :]
+    return h, jnp.einsum("ben,bn->be", h, C_t)
+
+  h, y = jax.lax.scan(step, h0, tuple(t.swapaxes(0, 1) for t in (x, delta, B, C)))
+  return y.swapaxes(0, 1), h
+
+
+def associative_selective_scan(x, delta, A, B, C, h0):
+  """The same recurrence as one associative scan over the whole length (all states stored)."""
+  decay = jnp.exp(delta[..., None] * A)  # [b, L, E, N]
+  drive = (delta * x)[..., None] * B[:, :, None, :]
+  drive = drive.at[:, 0].add(decay[:, 0] * h0)
+
+  def combine(left, right):
+    return left[0] * right[0], right[0] * left[1] + right[1]
+
+  _, h = jax.lax.associative_scan(combine, (decay, drive), axis=1)
+  return jnp.einsum("blen,bln->ble", h, C), h[:, -1]

@@ -1,0 +1,26 @@
+"""Datasets and input pipeline: TFDS builders (synthetic tasks, byte-level text) read with
+tfds.data_source into deterministic numpy batches.
+
+  validate(config)           ValueError naming what is wrong and what would be valid
+  prepare(config)            build the configured dataset once per data dir (process-safe)
+  train_batch(config, step, process_index=0, process_count=1)
+                             this process's rows of the global batch of `step`
+  eval_batches(config, length, mode, split="validation")
+                             evaluation batches at `length` inputs
+  vocab_size(config)         token ids the dataset uses (model.vocab_size must be >= this)
+  is_language_modeling(config)  True for byte corpora (loss, perplexity), False for tasks
+
+Batches are dicts of numpy arrays `inputs`, `targets` (int32) and `loss_mask` (float32).
+"""
+
+from research.data.catalog import NAMES
+from research.data.catalog import is_language_modeling
+from research.data.catalog import vocab_size
+from research.data.pipeline import eval_batches
+from research.data.pipeline import prepare
+from research.data.pipeline import train_batch
+from research.data.validation import EVAL_MODES
+from research.data.validation import validate
+from research.data.vocab import BYTE_VOCAB_SIZE
+from research.data.vocab import EOD
+from research.data.vocab import PAD

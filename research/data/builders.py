@@ -1,0 +1,131 @@
+"""TFDS builders of the local datasets, written as array_record files (no TensorFlow needed).
+
+SyntheticTask: a builder config per set of task parameters, named `<task>_<hash>` from a hash of
+the parameters that change the data, so different parameters never share a prepared dataset.
+Splits: `train` (num_train_examples of training size, padded to seq_len inputs) and
+`validation_<L>`, `test_<L>` for every evaluation length L (num_eval_examples of the largest size
+that fits, exactly L inputs). Every split draws from its own generator seeded by
+(seed, split, L), so an example depends on the builder config alone.
+
+ByteCorpus: one example per file, features `path` and `text` (the file's raw bytes), in
+relative-path order, splits train / validation / test as assigned by research.data.corpus; a
+builder config per file list, named `<label>_<hash>` of (relative path, size, mtime) of every file.
+"""
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from research.data import corpus
+from research.data import tasks
+
+_SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
+EVAL_SPLITS = ("validation", "test")
+
+
+def _digest(obj):
+  return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def task_split(split, length):
+  """Name of the split of evaluation examples with `length` inputs."""
+  return f"{split}_{length}"
+
+
+@dataclasses.dataclass(eq=False)
+class TaskConfig(tfds.core.BuilderConfig):
+  task: str = "copy"
+  num_symbols: int = 16
+  num_kv_pairs: int = 0  # mqar only
+  train_min_length: int = 0  # not mqar
+  train_max_length: int = 0  # not mqar
+  seq_len: int = 128
+  num_train_examples: int = 0
+  eval_lengths: tuple[int, ...] = ()
+  num_eval_examples: int = 0
+  seed: int = 0
+
+
+def task_config(config):
+  """The builder config of the synthetic task that `config` (a research config) asks for."""
+  d, mqar = config.data, config.data.name == "mqar"
+  params = dict(
+      task=d.name, num_symbols=d.task_vocab_size, num_kv_pairs=d.num_kv_pairs if mqar else 0,
+      train_min_length=0 if mqar else d.train_min_length,
+      train_max_length=0 if mqar else d.train_max_length, seq_len=config.train.seq_len,
+      num_train_examples=d.num_train_examples, eval_lengths=tuple(sorted(set(config.eval.lengths))),
+      num_eval_examples=d.num_eval_examples, seed=0)
+  return TaskConfig(name=f"{d.name}_{_digest(params)}", **params)
+
+
+class SyntheticTask(tfds.core.GeneratorBasedBuilder):
+  """Synthetic length-generalization tasks (research.data.tasks) as next-token examples."""
+
+  name = "research_synthetic_task"
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    sequence = lambda dtype: tfds.features.Tensor(shape=(None,), dtype=dtype, encoding="bytes")
+    return tfds.core.DatasetInfo(
+        builder=self, description=__doc__, disable_shuffling=True,
+        features=tfds.features.FeaturesDict(
+            {"inputs": sequence(np.int32), "targets": sequence(np.int32),
+             "loss_mask": sequence(np.float32)}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    c = self.builder_config
+    splits = {"train": self._generate_examples("train", c.seq_len)}
+    for split in EVAL_SPLITS:
+      for length in c.eval_lengths:
+        splits[task_split(split, length)] = self._generate_examples(split, length)
+    return splits
+
+  def _generate_examples(self, split, length):
+    c = self.builder_config
+    rng = np.random.default_rng([c.seed, _SPLIT_SEEDS[split], length])
+    train = split == "train"
+    for i in range(c.num_train_examples if train else c.num_eval_examples):
+      if train:
+        size = tasks.train_size(c.task, rng, c.train_min_length, c.train_max_length, c.seq_len)
+      else:
+        size = tasks.TASKS[c.task].size_for_length(length)
+      yield i, tasks.example(c.task, rng, size, c.num_symbols, c.num_kv_pairs, length)
+
+
+@dataclasses.dataclass(eq=False)
+class CorpusConfig(tfds.core.BuilderConfig):
+  files: tuple[corpus.CorpusFile, ...] = dataclasses.field(default=(), repr=False)
+
+
+def corpus_config(label, files):
+  """The builder config of a corpus made of `files` (research.data.corpus.CorpusFile)."""
+  key = [(f.split, f.relpath, f.size, f.mtime_ns) for f in files]
+  return CorpusConfig(name=f"{label}_{_digest(key)}", files=tuple(files))
+
+
+class ByteCorpus(tfds.core.GeneratorBasedBuilder):
+  """Text files as documents of raw bytes, for byte-level language modeling."""
+
+  name = "research_byte_corpus"
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self, description=__doc__, disable_shuffling=True,
+        features=tfds.features.FeaturesDict(
+            {"path": tfds.features.Text(), "text": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    present = {f.split for f in self.builder_config.files}
+    return {s: self._generate_examples(s) for s in corpus.SPLITS if s in present}
+
+  def _generate_examples(self, split):
+    for f in self.builder_config.files:
+      if f.split == split:
+        with open(f.path, "rb") as file:
+          yield f.relpath, {"path": f.relpath, "text": file.read()}

@@ -1,0 +1,102 @@
+"""Prepared datasets on disk, and the cached handles that read them.
+
+prepare() builds a dataset at most once per data dir: holding an exclusive fcntl lock on
+<data_dir>/locks/<tfds name>.lock it asks TFDS again whether the dataset is there, and otherwise
+runs download_and_prepare, which writes an `incomplete.*` directory and renames it into place.
+So concurrent processes build a dataset once and a partial dataset is never read as complete.
+A corpus split is read once into a packed token stream, its documents' bytes each followed by
+END_OF_DOCUMENT, stored as little-endian uint16 in <data_dir>/streams/ (written to a temporary
+file, then renamed) and memory-mapped. Data sources and streams are cached per
+(dataset, data dir, split) for the life of the process.
+"""
+
+import fcntl
+import os
+import tempfile
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from research.data import catalog
+from research.data import vocab
+
+STREAM_DTYPE = np.dtype("<u2")
+_PREPARED = set()
+_SOURCES = {}
+_STREAMS = {}
+
+
+def data_dir(config):
+  """config.data.dir, or $RESEARCH_DATA_DIR, or ~/.cache/research_data, as an absolute path."""
+  path = config.data.dir or os.environ.get("RESEARCH_DATA_DIR") or "~/.cache/research_data"
+  return os.path.abspath(os.path.expanduser(path))
+
+
+def check_available(dataset, data_dir):
+  """Raises ValueError if a named corpus is neither prepared in data_dir nor downloadable."""
+  if dataset.download is None or dataset.make_builder(data_dir).is_prepared():
+    return
+  host, port = dataset.download.host
+  if not catalog.reachable(host, port):
+    raise ValueError(
+        f"data.name={dataset.name!r} is not prepared in {data_dir} and cannot be downloaded: "
+        f"{host}:{port} is unreachable (offline). Use a local builder instead: "
+        f"{' or '.join(catalog.LOCAL_CORPORA)} (byte-level text from this machine; text_dir reads "
+        f"data.corpus_path), or a synthetic task ({', '.join(catalog.TASK_NAMES)}); or prepare "
+        f"{dataset.name} into data.dir on a machine with network (TFDS's {dataset.name} builder "
+        "needs TensorFlow to prepare).")
+
+
+def prepare(dataset, data_dir):
+  """Makes sure `dataset` is prepared in data_dir (idempotent, safe across processes)."""
+  key = (dataset.tfds_name, data_dir)
+  if key in _PREPARED:
+    return
+  check_available(dataset, data_dir)
+  if not dataset.make_builder(data_dir).is_prepared():
+    lock_path = os.path.join(data_dir, "locks", f"{dataset.tfds_name}.lock")
+    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+    with open(lock_path, "a") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      builder = dataset.make_builder(data_dir)  # sees what another process finished meanwhile
+      if not builder.is_prepared():
+        builder.download_and_prepare()
+  _PREPARED.add(key)
+
+
+def source(dataset, data_dir, tfds_split):
+  """The random-access tfds.data_source of one split."""
+  key = (dataset.tfds_name, data_dir, tfds_split)
+  if key not in _SOURCES:
+    prepare(dataset, data_dir)
+    _SOURCES[key] = tfds.data_source(
+        dataset.tfds_name, split=tfds_split, data_dir=data_dir, download=False)
+  return _SOURCES[key]
+
+
+def _write_stream(documents, text_feature, path):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".incomplete-")
+  eod = np.array([vocab.EOD], STREAM_DTYPE).tobytes()
+  with os.fdopen(fd, "wb") as f:
+    for i in range(len(documents)):
+      text = documents[i][text_feature]
+      text = text.encode() if isinstance(text, str) else text
+      f.write(np.frombuffer(text, np.uint8).astype(STREAM_DTYPE).tobytes() + eod)
+  os.chmod(tmp, 0o644)  # mkstemp makes it private; the prepared data is shared
+  os.replace(tmp, path)
+
+
+def token_stream(dataset, data_dir, split):
+  """The packed token stream of a corpus split, as a read-only uint16 array."""
+  tfds_split = dataset.splits[split]
+  key = (dataset.tfds_name, data_dir, tfds_split)
+  if key not in _STREAMS:
+    path = os.path.join(data_dir, "streams", dataset.tfds_name, dataset.version,
+                        f"{tfds_split}.uint16")
+    if not os.path.exists(path):
+      _write_stream(source(dataset, data_dir, tfds_split), dataset.text_feature, path)
+    if os.path.getsize(path) == 0:
+      raise ValueError(f"the {split} split of data.name={dataset.name!r} has no documents")
+    _STREAMS[key] = np.memmap(path, dtype=STREAM_DTYPE, mode="r")
+  return _STREAMS[key]

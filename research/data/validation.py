@@ -1,0 +1,108 @@
+"""Checks a config's data, train and eval fields before any work, and writes nothing."""
+
+from research.data import catalog
+from research.data import corpus
+from research.data import storage
+from research.data import tasks
+
+EVAL_MODES = ("nonoverlapping", "sliding")
+
+
+def sliding_stride(config):
+  """Stride of sliding-window evaluation: eval.sliding_stride, 0 meaning train.seq_len // 2."""
+  return config.eval.sliding_stride or config.train.seq_len // 2
+
+
+def validate(config):
+  """Raises ValueError listing every problem with what would be valid; returns None if none."""
+  problems = _problems(config)
+  if problems:
+    raise ValueError("invalid data config:\n  " + "\n  ".join(problems))
+
+
+def _problems(config):
+  d, t, e = config.data, config.train, config.eval
+  if d.name not in catalog.NAMES:
+    return [f"data.name={d.name!r} is unknown; valid: {', '.join(catalog.NAMES)}"]
+  problems = [f"{field}={value} must be positive" for field, value in [
+      ("train.seq_len", t.seq_len), ("train.batch_size", t.batch_size),
+      ("eval.batch_size", e.batch_size)] if value <= 0]
+  if not e.lengths or min(e.lengths) <= 0:
+    problems.append(f"eval.lengths={tuple(e.lengths)} must be one or more positive lengths")
+  if t.seed < 0:
+    problems.append(f"train.seed={t.seed} must be >= 0")
+  unknown_modes = [m for m in e.modes if m not in EVAL_MODES]
+  if unknown_modes:
+    problems.append(f"eval.modes has unknown {unknown_modes}; valid: {', '.join(EVAL_MODES)}")
+  if t.batch_size > 0 and t.batch_size % config.distributed.num_processes:
+    problems.append(f"train.batch_size={t.batch_size} is not divisible by "
+                    f"distributed.num_processes={config.distributed.num_processes}")
+  if problems:  # the checks below assume positive sizes
+    return problems
+  return _task_problems(config) if d.name in catalog.TASK_NAMES else _corpus_problems(config)
+
+
+def _task_problems(config):
+  d, t, e = config.data, config.train, config.eval
+  task, num_symbols = tasks.TASKS[d.name], d.task_vocab_size
+  problems = [f"{field}={value} must be positive" for field, value in [
+      ("data.num_train_examples", d.num_train_examples),
+      ("data.num_eval_examples", d.num_eval_examples)] if value <= 0]
+  if num_symbols < 2:
+    problems.append(f"data.task_vocab_size={num_symbols} must be >= 2")
+  if d.name == "mqar":
+    m = d.num_kv_pairs
+    lengths = [("train.seq_len", t.seq_len)] + [("eval.lengths", length) for length in e.lengths]
+    if not 1 <= m <= num_symbols // 2:
+      problems.append(
+          f"data.num_kv_pairs={m} must be in 1..task_vocab_size // 2 = {num_symbols // 2} (keys "
+          "and values are distinct symbols from each half of the vocabulary)")
+    problems += [f"mqar needs 4 * num_kv_pairs = {4 * m} <= length, but {field} has {length}; "
+                 f"use num_kv_pairs <= {length // 4} or lengths >= {4 * m}"
+                 for field, length in lengths if 4 * m > length]
+    return problems
+  low, high = d.train_min_length, d.train_max_length
+  needed = task.inputs_for_size(max(high, task.min_size))
+  if not 1 <= low <= high:
+    problems.append(f"data.train_min_length={low} and data.train_max_length={high} must satisfy "
+                    "1 <= train_min_length <= train_max_length")
+  elif needed > t.seq_len:
+    problems.append(
+        f"{d.name} examples of data.train_max_length={high} symbols need {needed} inputs but "
+        f"train.seq_len={t.seq_len}; use train.seq_len >= {needed} or train_max_length <= "
+        f"{task.size_for_length(t.seq_len)}")
+  shortest = task.inputs_for_size(task.min_size)
+  problems += [f"eval length {length} is too short for {d.name}: examples need >= {shortest} inputs"
+               for length in e.lengths if length < shortest]
+  return problems
+
+
+def _corpus_problems(config):
+  d, t, e = config.data, config.train, config.eval
+  problems = []
+  if e.num_tokens < max(e.lengths):
+    problems.append(
+        f"eval.num_tokens={e.num_tokens} must be >= the longest eval length {max(e.lengths)}, so "
+        "every length is evaluated on full windows of the same text")
+  stride = sliding_stride(config)
+  if "sliding" in e.modes and not 1 <= stride <= min(e.lengths):
+    problems.append(
+        f"sliding-window stride {stride} (eval.sliding_stride, 0 meaning train.seq_len // 2) "
+        f"must be in 1..{min(e.lengths)} (the shortest eval length)")
+  try:
+    dataset = catalog.resolve(config)
+    if d.name not in catalog.LOCAL_CORPORA:
+      storage.check_available(dataset, storage.data_dir(config))
+      return problems
+  except ValueError as err:
+    return problems + [str(err)]
+  sizes = corpus.split_sizes(dataset.files)
+  for split, needed, why in [("train", t.seq_len + 1, f"train.seq_len={t.seq_len}"),
+                             ("validation", max(e.lengths) + 1, f"eval length {max(e.lengths)}")]:
+    if sizes[split] < needed:
+      num_files = sum(f.split == split for f in dataset.files)
+      problems.append(
+          f"the {split} split of {d.name} has {sizes[split]} tokens ({num_files} of "
+          f"{len(dataset.files)} files; a file's split is a hash of its path, ~90/5/5) but {why} "
+          f"needs {needed}; use lengths <= {max(sizes[split] - 1, 0)} or a larger corpus")
+  return problems

@@ -1,0 +1,31 @@
+"""Test set-up: 8 fake CPU devices (before JAX initialises its backend) and shared helpers."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_default_matmul_precision", "highest")
+# Tests run tiny shapes: compile time dominates, so skip most XLA optimisation passes.
+jax.config.update("jax_disable_most_optimizations", True)
+
+import pytest  # noqa: E402
+
+from configs import base  # noqa: E402
+
+
+def tiny_model_config(**overrides):
+  """A model small enough to compile in about a second, with several blocks and chunks."""
+  config = base.get_config().model
+  config.update(dict(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_ratio=2,
+                     vocab_size=61, block_size=8, linear_chunk_size=8, ssm_chunk_size=8,
+                     ssm_state_size=4, rope_original_length=16))
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture
+def model_config():
+  return tiny_model_config()

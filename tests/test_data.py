@@ -1,0 +1,343 @@
+"""Tests of research.data: tasks, corpora, batches, evaluation windows, preparation, errors."""
+
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from configs import base
+from research import data
+from research.data import catalog
+from research.data import corpus
+from research.data import pipeline
+from research.data import storage
+from research.data import vocab
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = ("copy", "reverse", "sort", "mqar", "induction")
+SMALL = {
+    "data.num_train_examples": 256, "data.num_eval_examples": 8, "data.train_max_length": 20,
+    "data.num_kv_pairs": 4, "train.seq_len": 64, "train.batch_size": 8,
+    "eval.lengths": (64, 640), "eval.batch_size": 4, "eval.num_tokens": 700,
+}
+
+
+def make_config(name, data_dir, **overrides):
+  """The base config with small sizes, `name`, `data_dir` and "a.b"-style overrides."""
+  config = base.get_config()
+  for key, value in {**SMALL, "data.name": name, "data.dir": str(data_dir), **overrides}.items():
+    section, field = key.split(".")
+    setattr(config[section], field, value)
+  return config
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def text_corpus(tmp_path_factory):
+  """80 small text files, each mentioning its own name so every document is distinct."""
+  root = tmp_path_factory.mktemp("corpus")
+  words = "the of attention position rotary linear state length token bytes window".split()
+  for i in range(80):
+    rng = random.Random(i)
+    path = root / f"dir{i % 3}" / f"doc{i:02d}.txt"
+    path.parent.mkdir(exist_ok=True)
+    text = " ".join(rng.choice(words) for _ in range(rng.randint(50, 250)))
+    path.write_text(f"document {i}\n{text}")
+  (root / ".hidden").write_text("never read")
+  return root
+
+
+def lm_config(data_dir, text_corpus, **overrides):
+  return make_config("text_dir", data_dir, **{
+      "data.corpus_path": str(text_corpus), "eval.lengths": (32, 64), "eval.num_tokens": 500,
+      "eval.sliding_stride": 12, **overrides})
+
+
+def sequences(batch):
+  """The full token sequences behind next-token batches: inputs[0] followed by targets."""
+  return np.concatenate([batch["inputs"][:, :1], batch["targets"]], axis=1)
+
+
+def check_task_example(task, seq, mask, config):
+  """Asserts that one example follows its task's definition (see research.data.tasks)."""
+  v = vocab.TaskVocab(config.data.task_vocab_size)
+  scored = np.flatnonzero(mask) + 1  # positions in seq of the scored targets
+  if task == "mqar":
+    m = config.data.num_kv_pairs
+    keys, values = seq[0:2 * m:2], seq[1:2 * m:2]
+    assert len(set(keys)) == m and len(set(values)) == m
+    assert len(scored) == m and scored.min() > 2 * m
+    assert set(seq[scored - 1]) == set(keys)  # every key queried once
+    answers = dict(zip(keys, values))
+    np.testing.assert_array_equal(seq[scored], [answers[k] for k in seq[scored - 1]])
+    return
+  if task == "induction":
+    n = 1 + np.flatnonzero(seq[1:] == seq[0])[0]  # the first symbol recurs only to start P again
+    np.testing.assert_array_equal(seq[n:2 * n], seq[:n])
+    np.testing.assert_array_equal(scored, np.arange(n + 1, 2 * n))
+    assert (seq[2 * n:] == v.pad).all()
+    return
+  n = int(np.flatnonzero(seq == v.sep)[0])
+  x, y = seq[:n], seq[n + 1:2 * n + 1]
+  expected = {"copy": x, "reverse": x[::-1], "sort": np.sort(x)}[task]
+  np.testing.assert_array_equal(y, expected)
+  np.testing.assert_array_equal(scored, np.arange(n + 1, 2 * n + 1))
+  assert (seq[2 * n + 1:] == v.pad).all()
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_task_examples(task, data_dir):
+  config = make_config(task, data_dir)
+  assert not data.is_language_modeling(config)
+  batches = [("train", data.train_batch(config, step)) for step in range(2)]
+  batches += [(length, b) for length in config.eval.lengths
+              for b in data.eval_batches(config, length, "nonoverlapping")]
+  assert sum(len(b["inputs"]) for key, b in batches if key == 640) == config.data.num_eval_examples
+  for key, batch in batches:
+    length = config.train.seq_len if key == "train" else key
+    assert batch["inputs"].shape == batch["loss_mask"].shape == (len(batch["inputs"]), length)
+    assert batch["inputs"].dtype == np.int32 and batch["loss_mask"].dtype == np.float32
+    np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
+    assert batch["inputs"].max() < data.vocab_size(config)
+    for seq, mask in zip(sequences(batch), batch["loss_mask"]):
+      check_task_example(task, seq, mask, config)
+      if key != "train" and task in ("copy", "reverse", "sort"):
+        assert mask.sum() == length // 2  # evaluation examples fill their length
+      if key == "train" and task != "mqar":
+        assert mask.sum() <= config.data.train_max_length
+
+
+def test_task_configs_do_not_collide(data_dir):
+  tfds_name = lambda name, **o: catalog.resolve(make_config(name, data_dir, **o)).tfds_name
+  changes = [{}, {"data.task_vocab_size": 8}, {"train.seq_len": 128}, {"eval.lengths": (64,)}]
+  assert len({tfds_name("copy", **o) for o in changes}) == len(changes)
+  assert tfds_name("mqar") != tfds_name("mqar", **{"data.num_kv_pairs": 2})
+  assert tfds_name("mqar") == tfds_name("mqar", **{"data.train_max_length": 30})  # unused by mqar
+
+
+@pytest.mark.parametrize("name", ["mqar", "text_dir"])
+def test_train_batch_is_a_pure_function_partitioned_over_processes(name, data_dir, text_corpus):
+  if name == "text_dir":
+    config = lm_config(data_dir, text_corpus)
+  else:
+    config = make_config(name, data_dir)
+  batch = data.train_batch(config, 3)
+  for key in batch:
+    np.testing.assert_array_equal(batch[key], data.train_batch(config, 3)[key])
+  assert not np.array_equal(batch["inputs"], data.train_batch(config, 4)["inputs"])
+  config.train.seed = 1
+  assert not np.array_equal(batch["inputs"], data.train_batch(config, 3)["inputs"])
+  config.train.seed = 0
+  for count in (2, 4, 8):
+    parts = [data.train_batch(config, 3, index, count) for index in range(count)]
+    for key in batch:
+      np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), batch[key])
+  with pytest.raises(ValueError, match="divide"):
+    data.train_batch(config, 3, 0, 3)
+
+
+_SUBPROCESS = """
+import ast, sys
+import numpy as np
+from configs import base
+from research import data
+config = base.get_config()
+for key, value in ast.literal_eval(sys.argv[1]).items():
+  section, field = key.split(".")
+  setattr(config[section], field, value)
+data.prepare(config)
+np.savez(sys.argv[2], **data.train_batch(config, 5))
+"""
+
+
+def start_subprocess(config, out_path):
+  overrides = {f"{s}.{f}": config[s][f] for s in ("data", "train", "eval") for f in config[s]}
+  return subprocess.Popen([sys.executable, "-c", _SUBPROCESS, repr(overrides), str(out_path)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def assert_same_batch(npz_path, batch):
+  with np.load(npz_path) as saved:
+    for key in batch:
+      np.testing.assert_array_equal(saved[key], batch[key])
+
+
+def test_fresh_process_gives_the_same_batch(data_dir, text_corpus, tmp_path):
+  config = lm_config(data_dir, text_corpus)
+  process = start_subprocess(config, tmp_path / "batch.npz")
+  assert process.wait(timeout=120) == 0, process.stdout.read()
+  assert_same_batch(tmp_path / "batch.npz", data.train_batch(config, 5))
+
+
+def test_concurrent_preparation(tmp_path):
+  config = make_config("sort", tmp_path / "fresh", **{"data.num_train_examples": 3000})
+  processes = [start_subprocess(config, tmp_path / f"{i}.npz") for i in range(2)]
+  for process in processes:
+    assert process.wait(timeout=120) == 0, process.stdout.read()
+  batch = data.train_batch(config, 5)
+  for i in range(2):
+    assert_same_batch(tmp_path / f"{i}.npz", batch)
+  dataset_dir = tmp_path / "fresh" / catalog.resolve(config).tfds_name
+  assert os.listdir(dataset_dir) == ["1.0.0"]  # no incomplete.* left behind
+
+
+def documents(stream):
+  text = np.asarray(stream)
+  ends = np.flatnonzero(text == vocab.EOD)
+  return [text[a + 1:b].astype(np.uint8).tobytes() for a, b in zip(np.r_[-1, ends[:-1]], ends)]
+
+
+def test_corpus_splits_are_disjoint_and_ordered(data_dir, text_corpus):
+  config = lm_config(data_dir, text_corpus)
+  data.prepare(config)
+  dataset = catalog.resolve(config)
+  assert [f.relpath for f in dataset.files] == sorted(f.relpath for f in dataset.files)
+  assert len(dataset.files) == 80  # the hidden file is skipped
+  seen = set()
+  for split in corpus.SPLITS:
+    files = [f for f in dataset.files if f.split == split]
+    assert files, split
+    docs = documents(storage.token_stream(dataset, storage.data_dir(config), split))
+    assert docs == [pathlib.Path(f.path).read_bytes() for f in files]
+    assert not seen & set(docs)
+    seen |= set(docs)
+  assert data.vocab_size(config) == data.BYTE_VOCAB_SIZE and data.is_language_modeling(config)
+
+
+def test_stdlib_files_are_deterministic():
+  files = corpus.stdlib_files()
+  assert files == corpus.stdlib_files()
+  assert [f.relpath for f in files] == sorted(f.relpath for f in files)
+  assert all(f.relpath.endswith(".py") and "site-packages" not in f.relpath for f in files)
+  assert {f.split for f in files} == set(corpus.SPLITS)
+  assert all(f.split == corpus.split_of(f.relpath) for f in files)
+
+
+def test_stdlib_bytes(data_dir):
+  config = make_config("stdlib_bytes", data_dir, **{"train.seq_len": 128, "eval.lengths": (128,)})
+  batch = data.train_batch(config, 0)
+  assert batch["inputs"].shape == (8, 128) and batch["inputs"].max() <= vocab.EOD
+  assert (batch["loss_mask"] == 1).all()
+  (first,) = list(data.eval_batches(config, 128, "nonoverlapping"))[:1]
+  assert first["inputs"].shape == (4, 128)
+
+
+@pytest.mark.parametrize("mode,length", [("nonoverlapping", 32), ("nonoverlapping", 64),
+                                         ("sliding", 32), ("sliding", 64)])
+def test_lm_evaluation_scores_every_token_once(mode, length, data_dir, text_corpus):
+  config = lm_config(data_dir, text_corpus)
+  stream = storage.token_stream(catalog.resolve(config), storage.data_dir(config), "validation")
+  num_tokens, stride = config.eval.num_tokens, config.eval.sliding_stride
+  rows = [(i, t, m) for b in data.eval_batches(config, length, mode)
+          for i, t, m in zip(b["inputs"], b["targets"], b["loss_mask"])]
+  assert all(len(b) <= config.eval.batch_size for b in data.eval_batches(config, length, mode))
+  scored = np.concatenate([t[m == 1] for _, t, m in rows])
+  np.testing.assert_array_equal(scored, stream[1:num_tokens + 1])  # same text at every length
+  for k, (inputs, targets, mask) in enumerate(rows):
+    real = np.flatnonzero(inputs != vocab.PAD)
+    np.testing.assert_array_equal(real, np.arange(len(real)))
+    positions = np.flatnonzero(mask)
+    assert positions[-1] == real[-1]  # scored tokens end the window
+    np.testing.assert_array_equal(positions, np.arange(positions[0], positions[-1] + 1))
+    if mode == "nonoverlapping" or k == 0:
+      assert positions[0] == 0
+    else:
+      assert len(real) == length and len(positions) <= stride
+      assert len(positions) == stride or k == len(rows) - 1
+
+
+def test_lm_windows():
+  assert pipeline.lm_windows(10, 4, "nonoverlapping", 2) == [(0, 0, 4), (4, 4, 8), (8, 8, 10)]
+  assert pipeline.lm_windows(9, 4, "sliding", 2) == [(0, 0, 4), (2, 4, 6), (4, 6, 8), (5, 8, 9)]
+  assert pipeline.lm_windows(3, 4, "sliding", 2) == [(0, 0, 3)]
+
+
+@pytest.mark.parametrize("name", ["pg19", "lm1b"])
+def test_named_corpora_with_mock_data(name, tmp_path, monkeypatch):
+  monkeypatch.setattr(catalog, "reachable", lambda host, port: True)
+  config = make_config(name, tmp_path, **{
+      "eval.lengths": (16,), "eval.num_tokens": 50, "eval.sliding_stride": 8})
+  with tfds.testing.mock_data(num_examples=5):
+    batch = data.train_batch(config, 0)
+    assert batch["inputs"].shape == (8, 64) and batch["inputs"].max() <= vocab.EOD
+    dataset = catalog.resolve(config)
+    docs = tfds.data_source(name, split=dataset.splits["validation"])
+    text = [docs[i][dataset.text_feature] for i in range(len(docs))]
+    expected = np.concatenate([list(t.encode() if isinstance(t, str) else t) + [vocab.EOD]
+                               for t in text])
+    stream = storage.token_stream(dataset, storage.data_dir(config), "validation")
+    np.testing.assert_array_equal(stream, expected)
+    (batch,) = list(data.eval_batches(config, 16, "sliding"))[:1]
+    assert batch["loss_mask"][0].sum() == 16
+
+
+@pytest.mark.parametrize("name", ["pg19", "lm1b"])
+def test_named_corpora_offline(name, tmp_path, monkeypatch):
+  monkeypatch.setattr(catalog, "reachable", lambda host, port: False)
+  config = make_config(name, tmp_path / "empty")
+  for call in (data.validate, lambda c: data.train_batch(c, 0)):
+    with pytest.raises(ValueError, match="offline") as error:
+      call(config)
+    assert "stdlib_bytes" in str(error.value) and "text_dir" in str(error.value)
+  assert not (tmp_path / "empty").exists()
+
+
+def bad_configs(data_dir, text_corpus, empty_dir):
+  """(name, overrides, phrases the error must contain)."""
+  lm = {"data.corpus_path": str(text_corpus), "eval.lengths": (32,), "eval.num_tokens": 500}
+  return [
+      ("bogus", {}, ["data.name='bogus' is unknown", "stdlib_bytes", "mqar", "pg19"]),
+      ("mqar", {"data.num_kv_pairs": 20, "data.task_vocab_size": 64},
+       ["4 * num_kv_pairs = 80", "train.seq_len has 64", "use num_kv_pairs <= 16"]),
+      ("mqar", {"eval.lengths": (8, 64)}, ["eval.lengths has 8", "num_kv_pairs <= 2"]),
+      ("mqar", {"data.num_kv_pairs": 9}, ["num_kv_pairs=9 must be in 1..task_vocab_size // 2 = 8"]),
+      ("copy", {"data.train_max_length": 40}, ["train.seq_len >= 80", "train_max_length <= 32"]),
+      ("copy", {"train.seq_len": 0}, ["train.seq_len=0 must be positive"]),
+      ("copy", {"eval.lengths": (64, -1)}, ["eval.lengths=(64, -1) must be", "positive"]),
+      ("copy", {"data.train_min_length": 0}, ["1 <= train_min_length <= train_max_length"]),
+      ("copy", {"eval.modes": ("strided",)}, ["unknown ['strided']", "nonoverlapping, sliding"]),
+      ("text_dir", {**lm, "eval.lengths": (100_000,), "eval.num_tokens": 100_000},
+       ["the validation split of text_dir has", "needs 100001", "use lengths <="]),
+      ("text_dir", {**lm, "eval.sliding_stride": 40}, ["stride 40", "must be in 1..32"]),
+      ("text_dir", {**lm, "eval.num_tokens": 10}, ["eval.num_tokens=10 must be >= the longest"]),
+      ("text_dir", {**lm, "data.corpus_path": ""}, ["corpus_path is empty", "directory or a glob"]),
+      ("text_dir", {**lm, "data.corpus_path": str(empty_dir)}, ["contains no files"]),
+      ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "missing")}, ["neither a directory"]),
+      ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "*.txt")}, ["contains no files"]),
+  ]
+
+
+def test_validate_errors(tmp_path, text_corpus):
+  (tmp_path / "empty").mkdir()
+  for name, overrides, phrases in bad_configs(tmp_path / "data", text_corpus, tmp_path / "empty"):
+    with pytest.raises(ValueError) as error:
+      data.validate(make_config(name, tmp_path / "data", **overrides))
+    for phrase in phrases:
+      assert phrase in str(error.value), (name, overrides, str(error.value))
+  data.validate(lm_config(tmp_path / "data", text_corpus))
+  data.validate(make_config("mqar", tmp_path / "data"))
+  assert not (tmp_path / "data").exists()  # validate writes nothing
+
+
+def test_eval_batches_errors(data_dir, text_corpus):
+  config = lm_config(data_dir, text_corpus)
+  with pytest.raises(ValueError, match="nonoverlapping, sliding"):
+    data.eval_batches(config, 32, "strided")
+  with pytest.raises(ValueError, match="must be in 1..500"):
+    data.eval_batches(config, 501, "nonoverlapping")
+  with pytest.raises(ValueError, match="stride 12 .* must be in 1..8"):
+    data.eval_batches(config, 8, "sliding")
+  with pytest.raises(ValueError, match="valid: train, validation, test"):
+    data.eval_batches(config, 32, "nonoverlapping", split="dev")
+  with pytest.raises(ValueError, match="eval.lengths=.64, 640."):
+    data.eval_batches(make_config("copy", data_dir), 100, "nonoverlapping")

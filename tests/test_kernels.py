@@ -1,0 +1,113 @@
+"""Fast paths against their naive float32 references (research.attention.reference)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from research.attention import reference
+from research.attention.blockwise import blockwise_attention
+from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
+from research.attention.ssm import chunked_selective_scan
+from research.positions import RoPE, alibi_slopes
+
+
+def _normal(seed, shape, scale=1.0):
+  return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("length,heads,kv_heads,alibi", [
+    (37, 4, 2, True),  # GQA + ALiBi, length not a multiple of the block
+    (32, 4, 4, False),  # MHA, whole blocks
+    (20, 4, 1, True),  # MQA
+])
+def test_blockwise_equals_naive_forward_and_gradients(length, heads, kv_heads, alibi):
+  q = _normal(0, (2, length, heads, 8))
+  k, v = _normal(1, (2, length, kv_heads, 8)), _normal(2, (2, length, kv_heads, 8))
+  slopes = jnp.asarray(alibi_slopes(heads)) if alibi else None
+  d_out = _normal(3, q.shape)
+
+  def vjp(f):
+    out, pullback = jax.vjp(lambda q, k, v: f(q, k, v, slopes), q, k, v)
+    return (out,) + pullback(d_out)
+
+  fast = jax.jit(lambda: vjp(lambda *a: blockwise_attention(*a, block_size=8)))()
+  naive = jax.jit(lambda: vjp(reference.softmax_attention))()
+  for got, want in zip(fast, naive):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_blockwise_keeps_no_length_squared_residual():
+  """The VJP's residuals are O(length): q, k, v, out and the row log-sum-exp."""
+  length, heads = 64, 2
+  q = k = v = jnp.ones((1, length, heads, 4))
+  _, pullback = jax.vjp(lambda q: blockwise_attention(q, k, v, block_size=8), q)
+  sizes = [x.size for x in jax.tree.leaves(pullback)]
+  assert max(sizes) <= length * heads * 4, sizes
+
+
+@pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
+@pytest.mark.parametrize("use_rope", [False, True])
+def test_chunked_linear_equals_materialised_cumsum(feature_map, use_rope):
+  b, length, n, h = 2, 21, 2, 8
+  q, k, v = (_normal(i, (b, length, n, h)) for i in range(3))
+  state = (jnp.zeros((b, n, h, h)), jnp.zeros((b, n, h)))
+  rope = RoPE()
+  rotate = (lambda x: rope.rotate(x, jnp.arange(length))) if use_rope else None
+  got, (s, z) = jax.jit(lambda q, k, v: chunked_linear_attention(
+      q, k, v, state, feature_map=feature_map, chunk_size=8, rotate=rotate))(q, k, v)
+  phi = FEATURE_MAPS[feature_map]
+  phi_q, phi_k = phi(q), phi(k)
+  rotated = (rotate(phi_q), rotate(phi_k)) if use_rope else (None, None)
+  want = reference.linear_attention(phi_q, phi_k, v, *rotated)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(z, phi_k.sum(1), rtol=1e-5)
+
+
+def test_linear_attention_survives_bfloat16_inputs_with_negative_features():
+  """The elu+1 trap: in bf16, elu(-8) + 1 cancels to exactly 0; the feature map here does not."""
+  b, length, n, h = 1, 16, 1, 4
+  x = jnp.full((b, length, n, h), -8.0, jnp.bfloat16)
+  assert bool((jax.nn.elu(x) + 1 == 0).all())  # the naive bf16 form collapses
+  v = _normal(0, (b, length, n, h)).astype(jnp.bfloat16)
+  out, _ = chunked_linear_attention(x, x, v, (jnp.zeros((b, n, h, h)), jnp.zeros((b, n, h))),
+                                    chunk_size=8)
+  phi = FEATURE_MAPS["elu"](x.astype(jnp.float32))
+  assert bool((phi > 0).all())
+  want = reference.linear_attention(phi, phi, v.astype(jnp.float32))
+  np.testing.assert_allclose(out, want, atol=1e-4, rtol=1e-4)
+  assert float(jnp.abs(out).max()) > 0.1
+
+
+def _ssm_inputs(b=2, length=29, e=6, n=4):
+  x = _normal(0, (b, length, e))
+  delta = jax.nn.softplus(_normal(1, (b, length, e)))
+  A = -jnp.exp(jnp.log(jnp.tile(jnp.arange(1.0, n + 1), (e, 1))))
+  B, C = _normal(2, (b, length, n)), _normal(3, (b, length, n))
+  h0 = _normal(4, (b, e, n))
+  return x, delta, A, B, C, h0
+
+
+def test_chunked_scan_equals_sequential_scan_with_gradients():
+  inputs = _ssm_inputs()
+
+  def loss(f):
+    return lambda *a: (lambda y, h: (y ** 2).sum() + h.sum())(*f(*a))
+
+  chunked = lambda *a: chunked_selective_scan(*a, chunk_size=8)
+  got = jax.jit(chunked)(*inputs)
+  want = jax.jit(reference.sequential_selective_scan)(*inputs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+  got_grads = jax.jit(jax.grad(loss(chunked), argnums=(0, 1, 3, 4, 5)))(*inputs)
+  want_grads = jax.jit(jax.grad(loss(reference.sequential_selective_scan),
+                                argnums=(0, 1, 3, 4, 5)))(*inputs)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=1e-3, rtol=1e-3)
+
+
+def test_associative_reference_equals_sequential_reference():
+  inputs = _ssm_inputs()
+  for g, w in zip(reference.associative_selective_scan(*inputs),
+                  reference.sequential_selective_scan(*inputs)):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)

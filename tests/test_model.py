@@ -1,0 +1,108 @@
+"""Model-level identities, cache accounting, hybrids and build-time errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import research
+from research import attention
+from tests.conftest import tiny_model_config
+
+
+def _forward(config, state=None):
+  model = research.build_model(config, rngs=nnx.Rngs(0))
+  if state is not None:
+    nnx.update(model, state)
+  tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, config.vocab_size)
+  return jax.jit(lambda m, t: m(t))(model, tokens), model
+
+
+def test_gqa_with_kv_equal_heads_is_mha_with_the_same_weights():
+  mha_logits, mha = _forward(tiny_model_config(attention="mha", position="alibi"))
+  gqa_logits, _ = _forward(tiny_model_config(attention="gqa", position="alibi", num_kv_heads=4),
+                           nnx.state(mha))
+  np.testing.assert_allclose(gqa_logits, mha_logits, atol=1e-6)
+
+
+def test_mqa_is_gqa_with_one_kv_head():
+  mqa_logits, mqa = _forward(tiny_model_config(attention="mqa", position="rope"))
+  gqa_logits, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=1),
+                           nnx.state(mqa))
+  np.testing.assert_allclose(gqa_logits, mqa_logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,kv_heads", [("mha", 8), ("gqa", 2), ("mqa", 1)])
+def test_kv_cache_bytes_formula(name, kv_heads):
+  """2 * layers * kv_heads * head_dim * bytes_per_value * tokens * batch (arXiv:2305.13245)."""
+  config = tiny_model_config(attention=name, num_heads=8, num_kv_heads=2, num_layers=3,
+                             compute_dtype="bfloat16")
+  model = nnx.eval_shape(lambda: research.build_model(config, rngs=nnx.Rngs(0)))
+  head_dim, batch, tokens = 32 // 8, 3, 1000
+  assert model.cache_bytes(batch, tokens) == 2 * 3 * kv_heads * head_dim * 2 * tokens * batch
+
+
+@pytest.mark.parametrize("name", ["linear", "mamba"])
+def test_recurrent_state_does_not_grow_with_context(name):
+  model = nnx.eval_shape(lambda: research.build_model(
+      tiny_model_config(attention=name, position="none"), rngs=nnx.Rngs(0)))
+  assert model.cache_bytes(2, 64) == model.cache_bytes(2, 65536) > 0
+
+
+def test_hybrid_layer_pattern_decodes_like_its_forward():
+  """Jamba-style: mamba, mamba, then attention with RoPE (mamba layers run without it)."""
+  config = tiny_model_config(layer_pattern=("mamba", "mamba", "gqa"), num_layers=3,
+                             position="rope")
+  model = research.build_model(config, rngs=nnx.Rngs(0))
+  assert [type(b.mixer).__name__ for b in model.blocks] == ["Mamba", "Mamba", "GQA"]
+  tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, config.vocab_size)
+  full = jax.jit(lambda m, t: m(t))(model, tokens)
+  decode = jax.jit(lambda m, t, c: m.decode(t, c))
+  first, cache = decode(model, tokens[:, :5], model.init_cache(2, 11))
+  steps = [first]
+  for t in range(5, 11):
+    logits, cache = decode(model, tokens[:, t:t + 1], cache)
+    steps.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=2e-4, rtol=2e-4)
+
+
+def test_parameter_count_and_logical_axes():
+  model = research.build_model(tiny_model_config(attention="mha"), rngs=nnx.Rngs(0))
+  d, v, f = 32, 61, 64
+  per_layer = 4 * d * d + 2 * d * f + 2 * d  # q, k, v, out; MLP; two norm scales
+  assert research.count_params(model) == 2 * v * d + per_layer + d
+  assert research.count_params(model, embeddings=False) == v * d + per_layer + d
+  for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    axes = variable.get_metadata().get("logical_axes")
+    assert axes is not None and len(axes) == variable.value.ndim, path
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(attention="flash"), "unknown attention type 'flash'.*valid: gqa, linear, mamba, mha, mqa"),
+    (dict(position="t5"), "unknown position scheme 't5'.*valid: alibi, none, rope, sinusoidal"),
+    (dict(attention="gqa", num_kv_heads=3), r"num_kv_heads=3 does not divide num_heads=4; valid: \[1, 2, 4\]"),
+    (dict(d_model=30), "d_model=30 is not divisible by num_heads=4"),
+    (dict(d_model=12, position="rope"), "rope needs an even head dim.*= 3"),
+    (dict(attention="linear", position="alibi"), "'linear' does not support position 'alibi'.*compatible positions: none, sinusoidal, rope"),
+    (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal"),
+    (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: xla, blockwise, cudnn"),
+    (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'; use 'xla' or 'blockwise'"),
+    (dict(layer_pattern=("mamba", "mha"), num_layers=3), "num_layers=3 must be a positive multiple of len"),
+    (dict(compute_dtype="fp8"), "unknown model.compute_dtype 'fp8'; valid: float32, bfloat16"),
+    (dict(rope_scaling="linear"), "unknown rope_scaling 'linear'; valid: none, pi, ntk, yarn"),
+])
+def test_bad_model_config_fails_at_build_time(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    research.build_model(tiny_model_config(**overrides), rngs=nnx.Rngs(0))
+
+
+def test_hybrid_of_only_attention_still_rejects_incompatible_positions():
+  with pytest.raises(ValueError, match="'linear' does not support position 'alibi'"):
+    research.build_model(tiny_model_config(layer_pattern=("linear", "mha"), num_layers=2,
+                                           position="alibi"),
+                         rngs=nnx.Rngs(0))
+
+
+def test_registry_lists_required_names():
+  assert {"mha", "mqa", "gqa", "linear", "mamba"} <= set(attention.REGISTRY)
