@@ -119,7 +119,10 @@ class LanguageModel(nnx.Module):
                          rngs=rngs, dtype=dtype)
 
   def _embed(self, tokens_BxT, positions_T):
-    x = self.embed(tokens_BxT)
+    # Gather from the whole table (all-gathered, as FSDP does before any use of a parameter):
+    # the partitioner cannot gather from a table split along embed into a batch-split output.
+    table_VxD = sharding.constrain(self.embed.embedding.value, (None, None))
+    x = jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype)
     if self.position.kind == positions_lib.EMBED:
       x = x + self.position.embedding(positions_T, x.shape[-1]).astype(x.dtype)
     return sharding.constrain(x, ("batch", "length", "embed"))

@@ -59,6 +59,9 @@ def partition_spec(logical_axes, shape, mesh):
   """PartitionSpec for an array of `shape` whose dimensions carry `logical_axes` names."""
   spec, used = [], set()
   for name, size in zip(logical_axes, shape):
+    if name is None:  # replicated
+      spec.append(None)
+      continue
     if name not in RULES:
       raise ValueError(f"logical axis {name!r} has no sharding rule; known: {', '.join(RULES)}")
     mesh_axes = RULES[name]
@@ -72,18 +75,19 @@ def partition_spec(logical_axes, shape, mesh):
   return PartitionSpec(*spec)
 
 
-def state_shardings(state, mesh):
-  """NamedShardings for an nnx State (abstract or concrete) from each Variable's logical_axes."""
+def state_shardings(tree, mesh):
+  """NamedShardings for a pytree (abstract or concrete) holding nnx Variables, from each
+  Variable's logical_axes; leaves that are not Variables (step counters) are replicated."""
   from flax import nnx  # local: keep this module importable without building models
 
-  def sharding(variable):
-    axes = variable.get_metadata().get("logical_axes")
-    shape = np.shape(variable.value)
-    if axes is None:
-      return variable.replace(NamedSharding(mesh, PartitionSpec()))
-    return variable.replace(NamedSharding(mesh, partition_spec(axes, shape, mesh)))
+  def sharding(leaf):
+    if not isinstance(leaf, nnx.Variable):
+      return NamedSharding(mesh, PartitionSpec())
+    axes = leaf.get_metadata().get("logical_axes")
+    spec = PartitionSpec() if axes is None else partition_spec(axes, np.shape(leaf.value), mesh)
+    return leaf.replace(NamedSharding(mesh, spec))
 
-  return jax.tree.map(sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def batch_sharding(mesh, ndim=2):

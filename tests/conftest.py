@@ -1,8 +1,11 @@
 """Test set-up: 8 fake CPU devices (before JAX initialises its backend) and shared helpers."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One prepared-data directory for the session, shared with the subprocesses tests start.
+os.environ.setdefault("RESEARCH_DATA_DIR", tempfile.mkdtemp(prefix="research_data_"))
 
 import jax  # noqa: E402
 

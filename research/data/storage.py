@@ -20,6 +20,8 @@ import tensorflow_datasets as tfds
 from research.data import catalog
 from research.data import vocab
 
+tfds.disable_progress_bar()  # preparation is quick and logs one line; bars flood job logs
+
 STREAM_DTYPE = np.dtype("<u2")
 _PREPARED = set()
 _SOURCES = {}

@@ -1,0 +1,28 @@
+"""Train one configuration.
+
+  python -m experiments.train --config=configs/lm_extrapolation.py:quick --workdir=runs/x \
+      [--config.model.attention=gqa ...]
+
+Writes DIR/config.json, DIR/metrics.jsonl and orbax checkpoints in DIR/checkpoints/; the same
+command again resumes from the latest checkpoint.
+"""
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from research import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:preset].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (resumes if it holds a run).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

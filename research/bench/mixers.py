@@ -1,0 +1,180 @@
+"""Mixer kernels, forward + backward: median time and compiled temporary memory against length.
+
+Kernels run at one reference shape, not inside a model: attention-like kernels take
+[batch 1, length, 8 heads, head_dim 64] (d_model 512); the selective scans take d_inner 1024
+(expand 2 x d_model 512) and state size N = 16. Each point is
+  loss = <kernel(inputs), cotangent>   (a fixed random cotangent),   jax.grad w.r.t. all inputs,
+compiled once (its memory read from XLA's analysis, at every length) and timed unless its
+temporary memory or forecast run time is over budget (then the skip and its reason are recorded).
+
+Kernels: softmax `xla` (jax.nn.dot_product_attention, causal), `blockwise` (exact, online
+softmax), `cudnn` (GPU only); `linear` (chunked) against `linear_naive` (materialised cumulative
+sum); `mamba` (chunked scan) against `mamba_assoc` (one associative scan over all states) and
+`mamba_sequential` (lax.scan, one step per token).
+"""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from research.attention import reference
+from research.attention.blockwise import blockwise_attention
+from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
+from research.attention.ssm import chunked_selective_scan
+from research.bench import report
+from research.bench import timing
+
+BATCH, HEADS, HEAD_DIM = 1, 8, 64
+D_INNER, STATE_SIZE = 1024, 16
+BLOCK_SIZE = 128  # blockwise query/key block: model.block_size's default
+LINEAR_CHUNK = SSM_CHUNK = 64  # model.linear_chunk_size and model.ssm_chunk_size defaults
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (256, 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """A kernel to benchmark: `fn(*inputs) -> output`, inputs from `shapes(length)`."""
+  name: str
+  family: str
+  fn: callable
+  shapes: callable
+
+
+def _attention_shapes(length):
+  qkv = (BATCH, length, HEADS, HEAD_DIM)
+  return [qkv, qkv, qkv]
+
+
+def _scan_shapes(length):
+  return [(BATCH, length, D_INNER), (BATCH, length, D_INNER), (D_INNER, STATE_SIZE),
+          (BATCH, length, STATE_SIZE), (BATCH, length, STATE_SIZE), (BATCH, D_INNER, STATE_SIZE)]
+
+
+def _xla(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+
+def _cudnn(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def _blockwise(q, k, v):
+  return blockwise_attention(q, k, v, block_size=BLOCK_SIZE)
+
+
+def _linear(q, k, v):
+  state = (jnp.zeros((BATCH, HEADS, HEAD_DIM, HEAD_DIM), jnp.float32),
+           jnp.zeros((BATCH, HEADS, HEAD_DIM), jnp.float32))
+  return chunked_linear_attention(q, k, v, state, chunk_size=LINEAR_CHUNK)[0]
+
+
+def _linear_naive(q, k, v):
+  phi = FEATURE_MAPS["elu"]
+  return reference.linear_attention(phi(q), phi(k), v)
+
+
+def _mamba(*inputs):
+  return chunked_selective_scan(*inputs, chunk_size=SSM_CHUNK)[0]
+
+
+def _mamba_assoc(*inputs):
+  return reference.associative_selective_scan(*inputs)[0]
+
+
+def _mamba_sequential(*inputs):
+  return reference.sequential_selective_scan(*inputs)[0]
+
+
+def kernels(backend=None):
+  """The kernels to measure on `backend` (default: JAX's); cudnn only on a GPU."""
+  backend = backend or jax.default_backend()
+  table = [Kernel("xla", "softmax", _xla, _attention_shapes),
+           Kernel("blockwise", "softmax", _blockwise, _attention_shapes)]
+  if backend == "gpu":
+    table.append(Kernel("cudnn", "softmax", _cudnn, _attention_shapes))
+  table += [Kernel("linear", "linear", _linear, _attention_shapes),
+            Kernel("linear_naive", "linear", _linear_naive, _attention_shapes),
+            Kernel("mamba", "ssm", _mamba, _scan_shapes),
+            Kernel("mamba_assoc", "ssm", _mamba_assoc, _scan_shapes),
+            Kernel("mamba_sequential", "ssm", _mamba_sequential, _scan_shapes)]
+  return table
+
+
+def _fix_ssm_inputs(kernel, inputs):
+  """The scans need a positive step delta and a stable A = -exp(log(1..N)), like Mamba's."""
+  if kernel.family != "ssm":
+    return inputs
+  x, delta, _, B, C, h0 = inputs
+  A = -jnp.tile(jnp.arange(1, STATE_SIZE + 1, dtype=jnp.float32), (D_INNER, 1))
+  return (x, jax.nn.softplus(delta), A.astype(x.dtype), B, C, jnp.zeros_like(h0))
+
+
+def make_inputs(kernel, length, dtype, seed=0):
+  """Random inputs of `kernel` at `length`, plus a cotangent of its output's shape."""
+  keys = jax.random.split(jax.random.key(seed), len(kernel.shapes(length)) + 1)
+  inputs = tuple(jax.random.normal(key, shape, dtype)
+                 for key, shape in zip(keys, kernel.shapes(length)))
+  inputs = _fix_ssm_inputs(kernel, inputs)
+  out = jax.eval_shape(kernel.fn, *inputs)
+  return inputs, jax.random.normal(keys[-1], out.shape, out.dtype)
+
+
+def forward_backward(kernel):
+  """grad of <kernel(inputs), cotangent> w.r.t. every input; the cotangent is the last argument."""
+
+  def loss(*args):
+    *inputs, cotangent = args
+    out = kernel.fn(*inputs)
+    return jnp.vdot(out.astype(jnp.float32), cotangent.astype(jnp.float32))
+
+  def grads(*args):
+    return jax.grad(loss, argnums=tuple(range(len(args) - 1)))(*args)
+
+  return grads
+
+
+def _abstract(kernel, length, dtype):
+  inputs, cotangent = jax.eval_shape(lambda: make_inputs(kernel, length, dtype))
+  return (*inputs, cotangent)
+
+
+def measure_point(kernel, length, dtype, budget, previous):
+  """One row: compiled memory always; time unless over budget (`previous`: last timed point)."""
+  row = {"kernel": kernel.name, "family": kernel.family, "length": length,
+         "dtype": jnp.dtype(dtype).name, "time_ms": None, "repeats": 0, "skipped": ""}
+  grads = forward_backward(kernel)
+  start = time.perf_counter()
+  compiled = timing.compile_fn(grads, *_abstract(kernel, length, dtype))
+  row["compile_s"] = round(time.perf_counter() - start, 2)
+  row.update(timing.memory_bytes(compiled))
+  forecast = timing.predicted_seconds(previous, length)
+  if row["temp_bytes"] > budget.max_temp_bytes:
+    row["skipped"] = f"temp memory {row['temp_bytes'] / timing.GIB:.1f} GiB > budget"
+  elif forecast > budget.max_call_seconds:
+    row["skipped"] = f"forecast {forecast:.0f} s per call > {budget.max_call_seconds:.0f} s"
+  else:
+    inputs, cotangent = make_inputs(kernel, length, dtype)
+    seconds, row["repeats"] = timing.median_seconds(compiled, *inputs, cotangent, budget=budget)
+    row["time_ms"] = round(1e3 * seconds, 3)
+  return row
+
+
+def run(args):
+  """Rows for every kernel x length of `args` (lengths, dtype, quick)."""
+  dtype = jnp.dtype(args.dtype)
+  lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
+  budget = timing.Budget(repeats=2 if args.quick else 5,
+                         seconds_per_point=2.0 if args.quick else 8.0)
+  rows = []
+  for kernel in kernels():
+    previous = None
+    for length in lengths:
+      row = measure_point(kernel, length, dtype, budget, previous)
+      if row["time_ms"] is not None:
+        previous = (length, row["time_ms"] / 1e3)
+      print(report.progress_line(row), flush=True)
+      rows.append(row)
+  return rows

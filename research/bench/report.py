@@ -1,0 +1,2 @@
+def progress_line(row):
+  return str(row)

@@ -1,0 +1,72 @@
+"""Timing and compiled-memory helpers shared by the benchmark suites (design.md, section 6).
+
+Time: compile once, warm up, then the median wall time of repeated calls, each ended by
+`block_until_ready`. Memory: XLA's compiled memory analysis, which needs no allocation, so it
+is deterministic and can be read at lengths too large to run.
+"""
+
+import dataclasses
+import statistics
+import time
+
+import jax
+
+GIB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Limits that decide whether a point is run or only compiled.
+
+  repeats: timed calls at most; fewer when one call is slow, so a point takes about
+    `seconds_per_point` after warm-up (but at least one call).
+  max_call_seconds: skip a point whose predicted single call is slower than this.
+  max_temp_bytes: skip a point whose compiled temporary memory is larger than this.
+  """
+  repeats: int = 5
+  seconds_per_point: float = 10.0
+  max_call_seconds: float = 20.0
+  max_temp_bytes: int = 8 * GIB
+
+
+def compile_fn(fn, *args, donate_argnums=()):
+  """`fn` jitted, lowered for `args` and compiled, without running it."""
+  return jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+
+
+def memory_bytes(compiled):
+  """Temporary, argument and output bytes from XLA's analysis of a compiled function."""
+  stats = compiled.memory_analysis()
+  return {"temp_bytes": int(stats.temp_size_in_bytes),
+          "argument_bytes": int(stats.argument_size_in_bytes),
+          "output_bytes": int(stats.output_size_in_bytes)}
+
+
+def time_call(fn, *args):
+  """Seconds of one call of `fn(*args)` until its outputs are ready, and those outputs."""
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return time.perf_counter() - start, out
+
+
+def median_seconds(fn, *args, budget=Budget()):
+  """Median seconds per call after one warm-up call, and the number of timed calls.
+
+  Slow calls are repeated fewer times, so one point stays near budget.seconds_per_point.
+  """
+  warmup, _ = time_call(fn, *args)
+  repeats = max(1, min(budget.repeats, int(budget.seconds_per_point / max(warmup, 1e-9))))
+  times = [time_call(fn, *args)[0] for _ in range(repeats)]
+  return statistics.median(times), repeats
+
+
+def predicted_seconds(previous, length, exponent=2):
+  """A cautious forecast of one call at `length` from the last measured (length, seconds).
+
+  Assumes quadratic growth unless told otherwise, so linear-time kernels are over-estimated
+  (they are then skipped later than they could be, never earlier than a quadratic one).
+  """
+  if previous is None:
+    return 0.0
+  last_length, last_seconds = previous
+  return last_seconds * (length / last_length) ** exponent

@@ -1,0 +1,62 @@
+"""FLOP accounting for throughput and MFU (model FLOPs utilisation).
+
+Training FLOPs per token = 3 x forward (backward is twice the forward), and
+  forward = 2 * (parameters used in matmuls) + sum over layers of the mixer's own FLOPs,
+where the mixer term is attention's q k^T and p v with causal halving (4 * heads * head_dim *
+(L + 1) / 2), the chunked linear-attention products, or the selective scan (see each mixer's
+`mixing_flops_per_token`). The embedding lookup is not a matmul and is not counted; the output
+head is. MFU = FLOPs per token * tokens per second / peak FLOP/s of the devices used.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from research.model import count_params
+
+# Dense peak FLOP/s per chip from vendor datasheets, for bfloat16 matmuls.
+PEAK_BF16_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+}
+
+
+def forward_flops_per_token(model, context_length):
+  matmul_params = count_params(model, embeddings=False)
+  mixing = sum(block.mixer.mixing_flops_per_token(context_length) for block in model.blocks)
+  return 2 * matmul_params + mixing
+
+
+def train_flops_per_token(model, context_length):
+  return 3 * forward_flops_per_token(model, context_length)
+
+
+def measure_matmul_flops(size=2048, dtype=jnp.float32, repeats=5):
+  """FLOP/s of a large square matmul on the default device: the practical peak (used on CPU)."""
+  a = jnp.ones((size, size), dtype)
+  matmul = jax.jit(lambda a: a @ a)
+  matmul(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * size ** 3 / sorted(times)[len(times) // 2]
+
+
+def peak_flops(device=None):
+  """Datasheet bf16 peak of an accelerator, or None (then measure, e.g. on CPU)."""
+  device = device or jax.devices()[0]
+  for name, peak in PEAK_BF16_FLOPS.items():
+    if name.lower() in device.device_kind.lower():
+      return peak
+  return None
+
+
+def mfu(flops_per_token, tokens_per_second, peak_flops_per_second):
+  return flops_per_token * tokens_per_second / peak_flops_per_second

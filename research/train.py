@@ -1,0 +1,201 @@
+"""The training loop shared by every variant: pjit-style data and model parallelism.
+
+  jax.jit(train_step, in_shardings=(state, batch), out_shardings=(state, replicated),
+          donate_argnums=0)
+over a (data, fsdp, tensor) device mesh, parameters sharded by their logical axis names
+(research.sharding.RULES) and created already sharded; AdamW with warmup + cosine decay and
+global-norm clipping (optax); asynchronous, atomic orbax checkpoints; resume by rerunning the
+same command (the batch of step s is a pure function of seed, s and process, so resuming needs no
+data state). Runs unchanged on CPU, GPU or TPU, one process or many (jax.distributed).
+
+Sections: 1 set-up and checks; 2 state, created sharded; 3 the step; 4 checkpoints; 5 the loop.
+"""
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from research import checks
+from research import data
+from research import evaluate
+from research import flops
+from research import model as model_lib
+from research import sharding
+from research.metrics import MetricWriter
+
+# Parameters without weight decay: norms and biases (vectors) and the SSM's A_log and D.
+NO_DECAY_NAMES = ("A_log", "D")
+
+
+class NonFiniteLossError(RuntimeError):
+  pass
+
+
+def initialize_distributed(config):
+  """jax.distributed for multi-process runs (a no-op for one process)."""
+  dist = config.distributed
+  if dist.coordinator_address and not jax.distributed.is_initialized():
+    jax.distributed.initialize(dist.coordinator_address, dist.num_processes, dist.process_id)
+
+
+def make_optimizer(config):
+  t = config.train
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
+      decay_steps=t.num_steps, end_value=t.learning_rate * t.end_learning_rate_fraction)
+
+  def decay_mask(params):
+    return jax.tree.map_with_path(
+        lambda path, p: p.ndim >= 2 and getattr(path[-1], "key", None) not in NO_DECAY_NAMES,
+        params)
+
+  optimizer = optax.chain(
+      optax.clip_by_global_norm(t.grad_clip_norm),
+      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay, mask=decay_mask))
+  return optimizer, schedule
+
+
+def train_and_evaluate(config, workdir):
+  """Train `config` in `workdir` (resuming from its latest checkpoint); returns the final state."""
+  # ---- 1. Set-up and checks: everything that can fail does so before any work is written.
+  initialize_distributed(config)
+  workdir = os.path.abspath(workdir)
+  mesh_shape = checks.validate_config(config, jax.device_count(), jax.process_count())
+  checks.check_workdir(workdir, config.to_json(sort_keys=True))
+  data.prepare(config)
+  mesh = sharding.make_mesh(mesh_shape)
+  is_writer = jax.process_index() == 0
+  if is_writer:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json(indent=2, sort_keys=True))
+  t = config.train
+
+  # ---- 2. Train state, created directly in its sharded layout (never whole on one device).
+  optimizer, schedule = make_optimizer(config)
+  graphdef = nnx.graphdef(nnx.eval_shape(
+      lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(t.seed))))
+
+  def init_state():
+    model = model_lib.build_model(config.model, rngs=nnx.Rngs(t.seed))
+    params = nnx.state(model)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+  state_shardings = sharding.state_shardings(jax.eval_shape(init_state), mesh)
+  batch_sharding = sharding.batch_sharding(mesh)
+
+  # ---- 3. The step: gradient accumulation over micro-batches, then one optimizer update.
+  def loss_sum(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return (nll * batch["loss_mask"]).sum()
+
+  def train_step(state, batch):
+    micro = jax.tree.map(lambda x: x.reshape(t.grad_accum_steps, -1, *x.shape[1:]), batch)
+
+    def accumulate(grads_and_nll, micro_batch):
+      nll, grads = jax.value_and_grad(loss_sum)(state["params"], micro_batch)
+      return jax.tree.map(jnp.add, grads_and_nll, (grads, nll)), None
+
+    zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32))
+    (grads, nll), _ = jax.lax.scan(accumulate, zeros, micro)
+    tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics = {"loss": nll / tokens, "grad_norm": optax.global_norm(grads),
+               "param_norm": optax.global_norm(params), "learning_rate": schedule(state["step"]),
+               "params_finite": jnp.all(jnp.stack([jnp.isfinite(p).all()
+                                                   for p in jax.tree.leaves(params)]))}
+    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+  train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, None), donate_argnums=0)
+  eval_step = evaluate.make_eval_step(graphdef)
+
+  # ---- 4. Checkpoints: restore the latest complete one, or initialise.
+  manager = ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=t.keep_checkpoints,
+                                           enable_async_checkpointing=True))
+  with jax.set_mesh(mesh):
+    latest = manager.latest_step()
+    if latest is None:
+      state = jax.jit(init_state, out_shardings=state_shardings)()
+    else:
+      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                              jax.eval_shape(init_state), state_shardings)
+      state = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+  start = int(state["step"])
+
+  # ---- 5. The loop.
+  model_for_flops = nnx.merge(graphdef, jax.eval_shape(lambda: state["params"]))
+  flops_per_token = flops.train_flops_per_token(model_for_flops, t.seq_len)
+  peak = flops.peak_flops()
+  peak = peak * jax.device_count() if peak else flops.measure_matmul_flops()
+  writer = MetricWriter(workdir, enabled=is_writer, tensorboard=t.tensorboard)
+  if is_writer and start:
+    print(f"resuming {workdir} from step {start}", flush=True)
+  pending = []  # (step, device metrics) not yet checked for a finite loss
+
+  def check_finite():
+    """Raise at the first pending step whose loss or updated parameters are not finite."""
+    for step, metrics in pending:
+      loss, params_finite = float(metrics["loss"]), bool(metrics["params_finite"])
+      if not (np.isfinite(loss) and params_finite):
+        manager.wait_until_finished()
+        raise NonFiniteLossError(
+            f"non-finite training at step {step} (loss {loss}, parameters finite: "
+            f"{params_finite}); "
+            f"stopping. The last checkpoint (step {manager.latest_step()}) holds finite values.")
+    pending.clear()
+
+  window_start, window_steps = time.perf_counter(), 0
+  with jax.set_mesh(mesh):
+    for step in range(start, t.num_steps):
+      local = data.train_batch(config, step, jax.process_index(), jax.process_count())
+      batch = {k: jax.make_array_from_process_local_data(batch_sharding, v,
+                                                          (t.batch_size,) + v.shape[1:])
+               for k, v in local.items()}
+      state, metrics = train_step(state, batch)
+      done = step + 1
+      pending.append((done, metrics))
+      if step == start:  # keep compilation out of the throughput numbers
+        jax.block_until_ready(metrics)
+        first_step_time = time.perf_counter() - window_start
+        window_start = time.perf_counter()
+      else:
+        window_steps += 1
+      if done % t.log_every == 0 or done == t.num_steps:
+        last = jax.device_get(metrics)
+        check_finite()
+        elapsed = time.perf_counter() - window_start
+        if window_steps == 0:  # only the first, compiling step so far
+          window_steps, elapsed = 1, first_step_time
+        tokens_per_second = window_steps * t.batch_size * t.seq_len / elapsed
+        record = {"step": done, "loss": float(last["loss"]),
+                  "learning_rate": float(last["learning_rate"]),
+                  "grad_norm": float(last["grad_norm"]), "param_norm": float(last["param_norm"]),
+                  "tokens_per_second": tokens_per_second,
+                  "step_time": elapsed / window_steps,
+                  "mfu": flops.mfu(flops_per_token, tokens_per_second, peak)}
+        if t.eval_every and done % t.eval_every == 0 or done == t.num_steps:
+          record["validation_loss"] = evaluate.validation_loss(eval_step, state["params"], config,
+                                                               mesh)
+        writer.write(record, eta_seconds=(t.num_steps - done) * elapsed / window_steps,
+                     num_steps=t.num_steps)
+        window_start, window_steps = time.perf_counter(), 0
+      if done % t.checkpoint_every == 0 or done == t.num_steps:
+        check_finite()
+        manager.save(done, args=ocp.args.StandardSave(state))
+  manager.wait_until_finished()
+  manager.close()
+  writer.close()
+  return state

@@ -1,0 +1,155 @@
+"""The training loop: sharding equivalence, exact resume after SIGKILL, multi-process runs,
+the non-finite guard and bad configs (CPU, 8 fake devices, a tiny model, a few steps)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from research import train
+from tests import tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line)["loss"] for line in f]
+
+
+def _train_command(workdir, *overrides):
+  return [sys.executable, "-m", "experiments.train", f"--config={CONFIG}", f"--workdir={workdir}",
+          *overrides]
+
+
+def _env(num_devices):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  return env
+
+
+def _run(workdir, *overrides, num_devices=8):
+  subprocess.run(_train_command(workdir, *overrides), env=_env(num_devices), cwd=ROOT, check=True,
+                 capture_output=True)
+
+
+def _final_params(workdir):
+  with ocp.CheckpointManager(os.path.join(workdir, "checkpoints")) as manager:
+    restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore())
+  return jax.tree.leaves(restored["params"])
+
+
+@pytest.fixture(scope="module")
+def one_device_losses(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("one_device"))
+  _run(workdir, "--config.mesh.shape=(1,1,1)", num_devices=1)
+  return _losses(workdir)
+
+
+@pytest.mark.parametrize("mesh_shape", [(8, 1, 1), (2, 2, 2), (1, 4, 2)])
+def test_mesh_shapes_match_one_device(mesh_shape, one_device_losses, tmp_path):
+  config = tiny_config.get_config()
+  config.mesh.shape = mesh_shape
+  train.train_and_evaluate(config, str(tmp_path))
+  np.testing.assert_allclose(_losses(tmp_path), one_device_losses, rtol=1e-4)
+  assert len(one_device_losses) == config.train.num_steps
+
+
+def test_sigkill_and_restart_gives_bit_identical_parameters(tmp_path):
+  steps = ["--config.train.num_steps=40", "--config.train.checkpoint_every=3"]
+  reference, resumed = str(tmp_path / "reference"), str(tmp_path / "resumed")
+  _run(reference, *steps)
+  process = subprocess.Popen(_train_command(resumed, *steps), env=_env(8), cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  for line in process.stdout:
+    if line.startswith("step 10/"):
+      process.send_signal(signal.SIGKILL)
+      break
+  process.wait()
+  assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  result = subprocess.run(_train_command(resumed, *steps), env=_env(8), cwd=ROOT, check=True,
+                          capture_output=True, text=True)
+  assert "resuming" in result.stdout
+  for got, want in zip(_final_params(resumed), _final_params(reference), strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_match_one_process(tmp_path):
+  single, multi = str(tmp_path / "single"), str(tmp_path / "multi")
+  _run(single, "--config.train.num_steps=4")
+  port = _free_port()
+  env = dict(_env(4), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  processes = [subprocess.Popen(_train_command(
+      multi, "--config.train.num_steps=4",
+      f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+      "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}"),
+      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+  for p in processes:
+    output, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, output[-3000:]
+  np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-4)
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_checkpoints_finite(tmp_path):
+  config = tiny_config.get_config()
+  config.train.update(dict(learning_rate=1e30, warmup_steps=0, checkpoint_every=1))
+  with pytest.raises(train.NonFiniteLossError, match=r"at step \d+"):
+    train.train_and_evaluate(config, str(tmp_path))
+  with ocp.CheckpointManager(os.path.join(tmp_path, "checkpoints")) as manager:
+    assert manager.all_steps()
+    for step in manager.all_steps():
+      restored = manager.restore(step, args=ocp.args.StandardRestore())
+      assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored["params"]))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(model=dict(attention="flash")), "unknown attention type 'flash'"),
+    (dict(data=dict(name="wikitext")), "wikitext"),
+    (dict(mesh=dict(shape=(3, 1, 1))), r"needs 3 devices but there are 8"),
+    (dict(mesh=dict(shape=(4, 2, 1)), train=dict(batch_size=12)), "multiple of the data-parallel size"),
+    (dict(model=dict(vocab_size=100)), "model.vocab_size=100 is smaller than the 258 tokens"),
+    (dict(train=dict(warmup_steps=8)), r"warmup_steps=8 must be in \[0, num_steps=8\)"),
+])
+def test_bad_configs_fail_before_training_and_write_nothing(overrides, message, tmp_path):
+  config = tiny_config.get_config()
+  for section, values in overrides.items():
+    config[section].update(values)
+  workdir = str(tmp_path / "run")
+  with pytest.raises(ValueError, match=message):
+    train.train_and_evaluate(config, workdir)
+  assert not os.path.exists(workdir)
+
+
+def test_unwritable_workdir_fails_before_training(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(ValueError, match="is not writable"):
+    train.train_and_evaluate(tiny_config.get_config(), str(blocker / "run"))
+
+
+def test_workdir_of_a_different_config_is_refused_and_kept(tmp_path):
+  config = tiny_config.get_config()
+  config.train.num_steps = 2
+  config.train.warmup_steps = 1
+  train.train_and_evaluate(config, str(tmp_path))
+  before = open(tmp_path / "metrics.jsonl").read()
+  config.model.position = "alibi"
+  with pytest.raises(ValueError, match="holds a run of a different config.*model.position"):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert open(tmp_path / "metrics.jsonl").read() == before
