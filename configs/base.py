@@ -41,6 +41,7 @@ def get_config():
   m.ssm_expand = 2
   m.ssm_dt_rank = 0  # 0: ceil(d_model / 16)
   m.ssm_chunk_size = 64
+  m.ssm_scan = "auto"  # within a chunk: associative | sequential | auto (sequential on CPU)
 
   config.data = ml_collections.ConfigDict()
   d = config.data

@@ -9,6 +9,7 @@ command again resumes from the latest checkpoint.
 
 from absl import app
 from absl import flags
+from absl import logging
 from ml_collections import config_flags
 
 from research import train
@@ -21,6 +22,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # progress lines, not library INFO logs
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 

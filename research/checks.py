@@ -62,12 +62,7 @@ def _flat(config_dict, prefix=""):
 def check_workdir(workdir, config_json):
   """The workdir must be writable and, if it holds a run, hold this config (up to
   RESUMABLE_FIELDS). Creates nothing."""
-  existing = workdir
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing) or "."
-  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-    raise ValueError(f"workdir {workdir!r} is not writable ({existing!r} is not a writable "
-                     f"directory); choose a directory you can write to")
+  check_writable(workdir)
   saved_path = os.path.join(workdir, "config.json")
   if not os.path.exists(saved_path):
     return
@@ -80,3 +75,13 @@ def check_workdir(workdir, config_json):
     details = ", ".join(f"{n}: {saved.get(n)!r} -> {current.get(n)!r}" for n in changed[:5])
     raise ValueError(f"workdir {workdir!r} holds a run of a different config ({details}); "
                      f"use a new workdir, or the same config to resume")
+
+
+def check_writable(workdir):
+  """The workdir, or its nearest existing ancestor, must be a writable directory."""
+  existing = workdir
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing) or "."
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f"workdir {workdir!r} is not writable ({existing!r} is not a writable "
+                     f"directory); choose a directory you can write to")

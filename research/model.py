@@ -19,6 +19,10 @@ from research import positions as positions_lib
 from research import sharding
 
 
+class IncompatibleError(ValueError):
+  """A valid attention type and position scheme that do not go together (sweeps skip these)."""
+
+
 def layer_types(model_config):
   """The attention type of each layer."""
   pattern = tuple(model_config.layer_pattern) or (model_config.attention,)
@@ -56,7 +60,7 @@ def validate(model_config):
   for name, mixer_cls in mixers.items():
     supported = position.kind in mixer_cls.supported_positions
     if not supported and not (hybrid and mixer_cls.recurrent):
-      raise ValueError(
+      raise IncompatibleError(
           f"attention {name!r} does not support position {model_config.position!r} (it acts on "
           f"{position.kind!r}); compatible positions: {', '.join(compatible_positions(mixer_cls))}")
     mixer_cls.validate(model_config)

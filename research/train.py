@@ -11,7 +11,6 @@ data state). Runs unchanged on CPU, GPU or TPU, one process or many (jax.distrib
 Sections: 1 set-up and checks; 2 state, created sharded; 3 the step; 4 checkpoints; 5 the loop.
 """
 
-import json
 import os
 import time
 
@@ -62,6 +61,42 @@ def make_optimizer(config):
   return optimizer, schedule
 
 
+def make_init_state(config, optimizer):
+  """The function that creates the train state: step, parameters (nnx.State), optimizer state."""
+
+  def init_state():
+    model = model_lib.build_model(config.model, rngs=nnx.Rngs(config.train.seed))
+    params = nnx.state(model)
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+  return init_state
+
+
+def checkpoint_manager(workdir, config):
+  return ocp.CheckpointManager(
+      os.path.join(workdir, "checkpoints"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints,
+                                           enable_async_checkpointing=True))
+
+
+def restore_state(manager, init_state, state_shardings, step=None):
+  """The train state of checkpoint `step` (default: the latest), placed with `state_shardings`."""
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          jax.eval_shape(init_state), state_shardings)
+  step = manager.latest_step() if step is None else step
+  return manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+
+def load_params(config, workdir, mesh):
+  """The parameters of the latest checkpoint in `workdir`, sharded over `mesh`."""
+  init_state = make_init_state(config, make_optimizer(config)[0])
+  with checkpoint_manager(os.path.abspath(workdir), config) as manager:
+    if manager.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints; train the run first")
+    state_shardings = sharding.state_shardings(jax.eval_shape(init_state), mesh)
+    return restore_state(manager, init_state, state_shardings)["params"]
+
+
 def train_and_evaluate(config, workdir):
   """Train `config` in `workdir` (resuming from its latest checkpoint); returns the final state."""
   # ---- 1. Set-up and checks: everything that can fail does so before any work is written.
@@ -82,12 +117,7 @@ def train_and_evaluate(config, workdir):
   optimizer, schedule = make_optimizer(config)
   graphdef = nnx.graphdef(nnx.eval_shape(
       lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(t.seed))))
-
-  def init_state():
-    model = model_lib.build_model(config.model, rngs=nnx.Rngs(t.seed))
-    params = nnx.state(model)
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
-
+  init_state = make_init_state(config, optimizer)
   state_shardings = sharding.state_shardings(jax.eval_shape(init_state), mesh)
   batch_sharding = sharding.batch_sharding(mesh)
 
@@ -121,18 +151,12 @@ def train_and_evaluate(config, workdir):
   eval_step = evaluate.make_eval_step(graphdef)
 
   # ---- 4. Checkpoints: restore the latest complete one, or initialise.
-  manager = ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=t.keep_checkpoints,
-                                           enable_async_checkpointing=True))
+  manager = checkpoint_manager(workdir, config)
   with jax.set_mesh(mesh):
-    latest = manager.latest_step()
-    if latest is None:
+    if manager.latest_step() is None:
       state = jax.jit(init_state, out_shardings=state_shardings)()
     else:
-      abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                              jax.eval_shape(init_state), state_shardings)
-      state = manager.restore(latest, args=ocp.args.StandardRestore(abstract))
+      state = restore_state(manager, init_state, state_shardings)
   start = int(state["step"])
 
   # ---- 5. The loop.

@@ -8,7 +8,7 @@ import pytest
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
-from research.attention.ssm import chunked_selective_scan
+from research.attention.ssm import SCANS, chunked_selective_scan
 from research.positions import RoPE, alibi_slopes
 
 
@@ -88,13 +88,14 @@ def _ssm_inputs(b=2, length=29, e=6, n=4):
   return x, delta, A, B, C, h0
 
 
-def test_chunked_scan_equals_sequential_scan_with_gradients():
+@pytest.mark.parametrize("scan", sorted(SCANS))
+def test_chunked_scan_equals_sequential_scan_with_gradients(scan):
   inputs = _ssm_inputs()
 
   def loss(f):
     return lambda *a: (lambda y, h: (y ** 2).sum() + h.sum())(*f(*a))
 
-  chunked = lambda *a: chunked_selective_scan(*a, chunk_size=8)
+  chunked = lambda *a: chunked_selective_scan(*a, chunk_size=8, scan=scan)
   got = jax.jit(chunked)(*inputs)
   want = jax.jit(reference.sequential_selective_scan)(*inputs)
   for g, w in zip(got, want):

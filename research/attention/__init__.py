@@ -6,6 +6,7 @@ conformance suite in tests/ is parametrized over this registry, so it covers the
 
 from research.attention.base import Mixer
 from research.attention.linear import LinearAttention
+from research.attention.retention import Retention
 from research.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
 from research.attention.ssm import Mamba
 from research.registry import Registry
@@ -16,3 +17,4 @@ REGISTRY.register("mqa", MQA)
 REGISTRY.register("gqa", GQA)
 REGISTRY.register("linear", LinearAttention)
 REGISTRY.register("mamba", Mamba)
+REGISTRY.register("retention", Retention)

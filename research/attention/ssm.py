@@ -6,7 +6,8 @@
   A = -exp(A_log),  A_log = log(1..N)
   h_t = exp(delta_t A) * h_{t-1} + delta_t B_t x_t,   y_t = C_t h_t + D x_t
   out = out_proj(y * silu(z))
-The scan runs in chunks: inside a chunk an associative scan, across chunks the carried state;
+The scan runs in chunks: inside a chunk an associative scan (accelerators) or a token-by-token
+scan (CPU; model.ssm_scan), across chunks the carried state;
 each chunk is rematerialised in the backward pass, so memory grows with length as
 [batch, length, d_inner] plus one [batch, d_inner, N] state per chunk, never
 [batch, length, d_inner, N]. The decode state is the conv window and the SSM state.
@@ -32,7 +33,8 @@ def _combine(left, right):
   return a_left * a_right, a_right * b_left + b_right
 
 
-def _chunk(h_BxExN, chunk, A_ExN):
+def _associative_chunk(h_BxExN, chunk, A_ExN):
+  """One chunk as a parallel (associative) scan: log-depth, suits GPUs and TPUs."""
   x, delta, B, C = chunk  # [b, c, E], [b, c, E], [b, c, N], [b, c, N]
   decay = jnp.exp(delta[..., None] * A_ExN)
   drive = (delta * x)[..., None] * B[:, :, None, :]
@@ -41,11 +43,33 @@ def _chunk(h_BxExN, chunk, A_ExN):
   return h[:, -1], jnp.einsum("bcen,bcn->bce", h, C)
 
 
-def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64):
+def _sequential_chunk(h_BxExN, chunk, A_ExN):
+  """One chunk token by token: the [b, E, N] state stays in cache, which is fastest on CPUs."""
+
+  def step(h, inputs):
+    x_t, delta_t, B_t, C_t = inputs
+    h = jnp.exp(delta_t[..., None] * A_ExN) * h + (delta_t * x_t)[..., None] * B_t[:, None, :]
+    return h, jnp.einsum("ben,bn->be", h, C_t)
+
+  h, y = jax.lax.scan(step, h_BxExN, tuple(t.swapaxes(0, 1) for t in chunk))
+  return h, y.swapaxes(0, 1)
+
+
+SCANS = {"associative": _associative_chunk, "sequential": _sequential_chunk}
+
+
+def scan_for_backend(name):
+  """model.ssm_scan: "auto" is sequential on CPU and associative on accelerators."""
+  if name == "auto":
+    return "sequential" if jax.default_backend() == "cpu" else "associative"
+  return name
+
+
+def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associative"):
   """y_t = C_t h_t with h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t, from h0, in chunks.
 
   x, delta: [b, L, E]; A: [E, N]; B, C: [b, L, N]; h0: [b, E, N]. Returns (y [b, L, E], h_L).
-  The D x skip term is the caller's.
+  Within a chunk the scan is `scan` (see SCANS); the D x skip term is the caller's.
   """
   b, length, _ = x.shape
   chunk = min(chunk_size, length)
@@ -55,7 +79,8 @@ def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64):
     t = jnp.pad(t, [(0, 0), (0, padded - length), (0, 0)])
     return t.reshape(b, padded // chunk, chunk, t.shape[-1]).swapaxes(0, 1)
 
-  body = jax.checkpoint(lambda h, c: _chunk(h, c, A))
+  chunk_scan = SCANS[scan]
+  body = jax.checkpoint(lambda h, c: chunk_scan(h, c, A))
   h, y = jax.lax.scan(body, h0, tuple(map(to_chunks, (x, delta, B, C))))
   return y.swapaxes(0, 1).reshape(b, padded, -1)[:, :length], h
 
@@ -76,6 +101,9 @@ class Mamba(base.Mixer):
     for field in ("ssm_state_size", "ssm_conv_width", "ssm_expand", "ssm_chunk_size"):
       if model_config[field] < 1:
         raise ValueError(f"model.{field} must be >= 1, got {model_config[field]}")
+    if model_config.ssm_scan not in ("auto", *SCANS):
+      raise ValueError(f"unknown model.ssm_scan {model_config.ssm_scan!r}; valid: auto, "
+                       f"{', '.join(SCANS)}")
 
   def __init__(self, model_config, position, *, rngs):
     d = model_config.d_model
@@ -85,6 +113,7 @@ class Mamba(base.Mixer):
     self.d_inner, self.state_size, self.dt_rank = e, n, r
     self.conv_width = model_config.ssm_conv_width
     self.chunk_size = model_config.ssm_chunk_size
+    self.scan = scan_for_backend(model_config.ssm_scan)
     self.dtype = dtype = nn.compute_dtype(model_config)
     self.in_proj = nn.dense("BLD,DE->BLE", (d, 2 * e), ("embed", "mlp"), rngs=rngs, dtype=dtype)
     self.conv_kernel = nnx.Param(
@@ -119,7 +148,7 @@ class Mamba(base.Mixer):
     A = -jnp.exp(self.A_log.value)
     x32 = x.astype(jnp.float32)
     y, h = chunked_selective_scan(x32, delta, A, B.astype(jnp.float32), C.astype(jnp.float32),
-                                  cache["ssm"], chunk_size=self.chunk_size)
+                                  cache["ssm"], chunk_size=self.chunk_size, scan=self.scan)
     y = (y + self.D.value * x32).astype(self.dtype) * jax.nn.silu(z)
     return self.out_proj(y), {"conv": window, "ssm": h}
 

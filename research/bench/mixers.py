@@ -9,12 +9,13 @@ temporary memory or forecast run time is over budget (then the skip and its reas
 
 Kernels: softmax `xla` (jax.nn.dot_product_attention, causal), `blockwise` (exact, online
 softmax), `cudnn` (GPU only); `linear` (chunked) against `linear_naive` (materialised cumulative
-sum); `mamba` (chunked scan) against `mamba_assoc` (one associative scan over all states) and
+sum); `mamba` (chunked scan, model.ssm_scan="auto") against `mamba_assoc` (one associative scan over all states) and
 `mamba_sequential` (lax.scan, one step per token).
 """
 
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
-from research.attention.ssm import chunked_selective_scan
+from research.attention.ssm import chunked_selective_scan, scan_for_backend
 from research.bench import report
 from research.bench import timing
 
@@ -39,8 +40,8 @@ class Kernel:
   """A kernel to benchmark: `fn(*inputs) -> output`, inputs from `shapes(length)`."""
   name: str
   family: str
-  fn: callable
-  shapes: callable
+  fn: Callable
+  shapes: Callable
 
 
 def _attention_shapes(length):
@@ -77,7 +78,8 @@ def _linear_naive(q, k, v):
 
 
 def _mamba(*inputs):
-  return chunked_selective_scan(*inputs, chunk_size=SSM_CHUNK)[0]
+  return chunked_selective_scan(*inputs, chunk_size=SSM_CHUNK,
+                                scan=scan_for_backend("auto"))[0]
 
 
 def _mamba_assoc(*inputs):
@@ -103,8 +105,8 @@ def kernels(backend=None):
   return table
 
 
-def _fix_ssm_inputs(kernel, inputs):
-  """The scans need a positive step delta and a stable A = -exp(log(1..N)), like Mamba's."""
+def _ssm_inputs(kernel, inputs):
+  """Scan inputs as Mamba makes them: delta = softplus(.) > 0, A = -exp(log(1..N)), h0 = 0."""
   if kernel.family != "ssm":
     return inputs
   x, delta, _, B, C, h0 = inputs
@@ -117,7 +119,7 @@ def make_inputs(kernel, length, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), len(kernel.shapes(length)) + 1)
   inputs = tuple(jax.random.normal(key, shape, dtype)
                  for key, shape in zip(keys, kernel.shapes(length)))
-  inputs = _fix_ssm_inputs(kernel, inputs)
+  inputs = _ssm_inputs(kernel, inputs)
   out = jax.eval_shape(kernel.fn, *inputs)
   return inputs, jax.random.normal(keys[-1], out.shape, out.dtype)
 
@@ -141,18 +143,24 @@ def _abstract(kernel, length, dtype):
   return (*inputs, cotangent)
 
 
-def measure_point(kernel, length, dtype, budget, previous):
-  """One row: compiled memory always; time unless over budget (`previous`: last timed point)."""
-  row = {"kernel": kernel.name, "family": kernel.family, "length": length,
-         "dtype": jnp.dtype(dtype).name, "time_ms": None, "repeats": 0, "skipped": ""}
+def _blank_row(kernel, length, dtype):
+  return {"kernel": kernel.name, "family": kernel.family, "length": length,
+          "dtype": jnp.dtype(dtype).name, "time_ms": None, "repeats": 0, "skipped": "",
+          "compile_s": None, "temp_bytes": None, "argument_bytes": None, "output_bytes": None}
+
+
+def measure_point(kernel, length, dtype, budget, history=()):
+  """One row: compiled memory always; time unless over budget (`history`: timed points)."""
+  row = _blank_row(kernel, length, dtype)
   grads = forward_backward(kernel)
   start = time.perf_counter()
   compiled = timing.compile_fn(grads, *_abstract(kernel, length, dtype))
   row["compile_s"] = round(time.perf_counter() - start, 2)
   row.update(timing.memory_bytes(compiled))
-  forecast = timing.predicted_seconds(previous, length)
+  forecast = timing.forecast_seconds(history, length)
   if row["temp_bytes"] > budget.max_temp_bytes:
-    row["skipped"] = f"temp memory {row['temp_bytes'] / timing.GIB:.1f} GiB > budget"
+    row["skipped"] = (f"temp memory {row['temp_bytes'] / timing.GIB:.1f} GiB > "
+                      f"{budget.max_temp_bytes / timing.GIB:.0f} GiB")
   elif forecast > budget.max_call_seconds:
     row["skipped"] = f"forecast {forecast:.0f} s per call > {budget.max_call_seconds:.0f} s"
   else:
@@ -166,15 +174,92 @@ def run(args):
   """Rows for every kernel x length of `args` (lengths, dtype, quick)."""
   dtype = jnp.dtype(args.dtype)
   lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
-  budget = timing.Budget(repeats=2 if args.quick else 5,
+  budget = timing.Budget(repeats=1 if args.quick else 5,
                          seconds_per_point=2.0 if args.quick else 8.0)
   rows = []
   for kernel in kernels():
-    previous = None
-    for length in lengths:
-      row = measure_point(kernel, length, dtype, budget, previous)
+    history = []
+    for length in sorted(lengths):
+      try:
+        row = measure_point(kernel, length, dtype, budget, history)
+      except Exception as error:  # pylint: disable=broad-except  # one kernel must not stop all
+        row = _blank_row(kernel, length, dtype)
+        row["skipped"] = f"error: {type(error).__name__}: {str(error)[:120]}".splitlines()[0]
       if row["time_ms"] is not None:
-        previous = (length, row["time_ms"] / 1e3)
+        history.append((length, row["time_ms"] / 1e3))
       print(report.progress_line(row), flush=True)
       rows.append(row)
   return rows
+
+
+def _temp_mib(rows, kernel, length):
+  value = report.lookup(rows, "temp_bytes", kernel=kernel, length=length)
+  return None if value is None else value / report.MIB
+
+
+def summary(rows):
+  """The targets, as ratios of this run's rows; 'not measured' where a point is missing."""
+  get = lambda field, kernel, length: report.lookup(rows, field, kernel=kernel, length=length)
+  blockwise_growth = report.ratio(get("temp_bytes", "blockwise", 8192),
+                                  get("temp_bytes", "blockwise", 1024))
+  xla_growth = report.ratio(get("temp_bytes", "xla", 8192), get("temp_bytes", "xla", 1024))
+  blockwise_time = report.ratio(get("time_ms", "blockwise", 4096), get("time_ms", "xla", 4096))
+  linear_speedup = report.ratio(get("time_ms", "xla", 4096), get("time_ms", "linear", 4096))
+  linear_growth = report.ratio(get("temp_bytes", "linear", 8192),
+                               get("temp_bytes", "linear", 1024))
+  mamba_memory = report.ratio(get("temp_bytes", "mamba_assoc", 4096),
+                              get("temp_bytes", "mamba", 4096))
+  mamba_time = report.ratio(get("time_ms", "mamba", 4096),
+                            get("time_ms", "mamba_sequential", 4096))
+  f = report.fmt_ratio
+  lines = [
+      f"blockwise temp memory 8192/1024 = {f(blockwise_growth)} (target <= 10x; xla = "
+      f"{f(xla_growth)}): {report.verdict(blockwise_growth, 10)}",
+      f"blockwise / xla fwd+bwd time at 4096 = {f(blockwise_time)} (target <= 1x): "
+      f"{report.verdict(blockwise_time, 1)}",
+      f"xla / linear fwd+bwd time at 4096 = {f(linear_speedup)} (target >= 10x): "
+      f"{report.verdict(linear_speedup, 10, at_most=False)}",
+      f"linear temp memory 8192/1024 = {f(linear_growth)} for 8x the length (target: at most "
+      f"linear, <= 8x): {report.verdict(linear_growth, 8)}",
+      f"mamba_assoc / mamba temp memory at 4096 = {f(mamba_memory)} (target >= 20x): "
+      f"{report.verdict(mamba_memory, 20, at_most=False)}",
+      f"mamba / mamba_sequential fwd+bwd time at 4096 = {f(mamba_time)} (target <= 1x): "
+      f"{report.verdict(mamba_time, 1)}",
+  ]
+  for length in (1024, 4096):
+    cells = [f"{kernel} {_fmt_mib(_temp_mib(rows, kernel, length))}"
+             for kernel in ("xla", "blockwise")]
+    lines.append(f"fwd+bwd compiled temp memory at {length}: " + ", ".join(cells))
+  return lines
+
+
+def _fmt_mib(value):
+  return "not measured" if value is None else f"{value:.1f} MiB"
+
+
+def tables(rows):
+  skipped = [[row["kernel"], row["length"], row["skipped"]] for row in rows if row["skipped"]]
+  result = [
+      ("fwd+bwd time, ms (median)", report.pivot(rows, "kernel", "length", "time_ms",
+                                                 lambda ms: f"{ms:.1f}", missing="skip")),
+      ("compiled temp memory, MiB (fwd+bwd)",
+       report.pivot(rows, "kernel", "length", "temp_bytes", lambda b: f"{b / report.MIB:.1f}")),
+  ]
+  if skipped:
+    result.append(("skipped timings", report.markdown_table(["kernel", "length", "reason"],
+                                                            skipped)))
+  return result
+
+
+SUITE = report.Suite(
+    name="mixers",
+    description=(
+        f"Kernels alone, forward + backward (jax.grad of <out, random cotangent> w.r.t. all "
+        f"inputs). Attention-like: batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}; blockwise "
+        f"block {BLOCK_SIZE}, linear chunk {LINEAR_CHUNK}. Selective scan: d_inner {D_INNER}, "
+        f"N {STATE_SIZE}, chunk {SSM_CHUNK}. Time: median after compile + warm-up. Memory: "
+        f"`compile().memory_analysis().temp_size_in_bytes`, at every length."),
+    run=run, tables=tables, summary=summary,
+    panels=(report.Panel("length", "time_ms", "kernel", "fwd+bwd time", "ms (median)"),
+            report.Panel("length", "temp_bytes", "kernel", "compiled temp memory", "MiB",
+                         scale=report.MIB)))

@@ -1,2 +1,165 @@
+"""Benchmark outputs: DIR/<suite>.json (rows + metadata), DIR/<suite>.md and DIR/<suite>.png.
+
+A suite is measured once into rows (flat dicts, one per measured point); everything written
+here is made from those rows alone, so the tables, the target ratios and the figures of one
+file always come from the same run.
+"""
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+from typing import Callable
+
+import jax
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MIB = 2 ** 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+  """One log-log plot of rows[y] (divided by `scale`) against rows[x], a line per rows[group]."""
+  x: str
+  y: str
+  group: str
+  title: str
+  ylabel: str
+  scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """A benchmark: `run(args) -> rows`, and how to report them.
+
+  tables(rows) -> [(title, markdown table)]; summary(rows) -> markdown lines (the targets, as
+  ratios computed from the rows); panels: the figures' plots.
+  """
+  name: str
+  description: str
+  run: Callable
+  tables: Callable
+  summary: Callable
+  panels: tuple
+
+
+def hardware():
+  """The CPU model and core count (from lscpu), or the accelerator kind and count."""
+  devices = jax.devices()
+  if devices[0].platform != "cpu":
+    return f"{len(devices)} x {devices[0].device_kind}"
+  model = platform.processor() or "unknown CPU"
+  try:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                 if line.startswith("Model name"))
+  except (OSError, subprocess.CalledProcessError, StopIteration):
+    pass
+  return f"{model}, {os.cpu_count()} cores"
+
+
+def metadata(command):
+  return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+          "hardware": hardware(), "backend": jax.default_backend(),
+          "jax_version": jax.__version__, "command": command}
+
+
+def lookup(rows, field, **match):
+  """rows[field] of the one row matching all `match` items, or None if absent or unset."""
+  for row in rows:
+    if all(row.get(k) == v for k, v in match.items()):
+      return row.get(field)
+  return None
+
+
+def ratio(numerator, denominator):
+  if numerator is None or not denominator:
+    return None
+  return numerator / denominator
+
+
+def verdict(value, target, at_most=True):
+  """'met' / 'MISSED by Nx' for a measured ratio against its target bound."""
+  if value is None:
+    return "not measured in this run"
+  if value <= target if at_most else value >= target:
+    return "met"
+  miss = value / target if at_most else target / value
+  return f"MISSED by {miss:.2f}x"
+
+
+def fmt_ratio(value):
+  return "n/a" if value is None else f"{value:.2f}x"
+
+
+def markdown_table(header, body):
+  lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(map(str, line)) + " |" for line in body]
+  return "\n".join(lines)
+
+
+def pivot(rows, index, columns, value, fmt, missing="—"):
+  """A markdown table of rows[value]: one line per rows[index], one column per rows[columns]."""
+  names = list(dict.fromkeys(row[index] for row in rows))
+  keys = sorted(set(row[columns] for row in rows))
+  body = []
+  for name in names:
+    cells = [lookup(rows, value, **{index: name, columns: key}) for key in keys]
+    body.append([name] + [missing if cell is None else fmt(cell) for cell in cells])
+  return markdown_table([f"{index} \\ {columns}"] + keys, body)
+
+
 def progress_line(row):
-  return str(row)
+  """One short line per measured point, for the console."""
+  return "  ".join(f"{k}={v}" for k, v in row.items() if v not in (None, ""))
+
+
+def write_json(path, rows, meta):
+  with open(path, "w") as f:
+    json.dump({"metadata": meta, "rows": rows}, f, indent=1)
+
+
+def write_markdown(path, suite, rows, meta):
+  parts = [f"# Benchmark: {suite.name}", "", suite.description, "",
+           f"- date: {meta['date']}", f"- hardware: {meta['hardware']} ({meta['backend']})",
+           f"- jax: {meta['jax_version']}", f"- command: `{meta['command']}`", "",
+           "## Targets (ratios from this run)", ""]
+  parts += [f"- {line}" for line in suite.summary(rows)]
+  for title, table in suite.tables(rows):
+    parts += ["", f"## {title}", "", table]
+  with open(path, "w") as f:
+    f.write("\n".join(parts) + "\n")
+
+
+def write_figure(path, suite, rows, meta):
+  """Log-log curves, one panel per suite.panels entry, points with no value left out."""
+  fig, axes = plt.subplots(1, len(suite.panels), figsize=(6 * len(suite.panels), 4.5),
+                           squeeze=False)
+  for ax, panel in zip(axes[0], suite.panels):
+    for name in dict.fromkeys(row[panel.group] for row in rows):
+      points = sorted((row[panel.x], row[panel.y] / panel.scale) for row in rows
+                      if row[panel.group] == name and row.get(panel.y))
+      if points:
+        ax.plot(*zip(*points), marker="o", label=str(name))
+    ax.set(xscale="log", yscale="log", xlabel=panel.x, ylabel=panel.ylabel, title=panel.title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+  fig.suptitle(f"{suite.name}: {meta['hardware']}, jax {meta['jax_version']}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_all(out_dir, suite, rows, meta):
+  """Writes DIR/<suite>.json, .md and .png; returns their paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = {ext: os.path.join(out_dir, f"{suite.name}.{ext}") for ext in ("json", "md", "png")}
+  write_json(paths["json"], rows, meta)
+  write_markdown(paths["md"], suite, rows, meta)
+  write_figure(paths["png"], suite, rows, meta)
+  return paths

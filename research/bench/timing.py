@@ -6,6 +6,7 @@ is deterministic and can be read at lengths too large to run.
 """
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -20,7 +21,7 @@ class Budget:
 
   repeats: timed calls at most; fewer when one call is slow, so a point takes about
     `seconds_per_point` after warm-up (but at least one call).
-  max_call_seconds: skip a point whose predicted single call is slower than this.
+  max_call_seconds: skip a point whose forecast single call is slower than this.
   max_temp_bytes: skip a point whose compiled temporary memory is larger than this.
   """
   repeats: int = 5
@@ -29,9 +30,9 @@ class Budget:
   max_temp_bytes: int = 8 * GIB
 
 
-def compile_fn(fn, *args, donate_argnums=()):
-  """`fn` jitted, lowered for `args` and compiled, without running it."""
-  return jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+def compile_fn(fn, *args):
+  """`fn` jitted, lowered for `args` (arrays or jax.ShapeDtypeStruct) and compiled, not run."""
+  return jax.jit(fn).lower(*args).compile()
 
 
 def memory_bytes(compiled):
@@ -60,13 +61,18 @@ def median_seconds(fn, *args, budget=Budget()):
   return statistics.median(times), repeats
 
 
-def predicted_seconds(previous, length, exponent=2):
-  """A cautious forecast of one call at `length` from the last measured (length, seconds).
+def forecast_seconds(history, length):
+  """One call's seconds at `length`, extrapolated from the timed (length, seconds) so far.
 
-  Assumes quadratic growth unless told otherwise, so linear-time kernels are over-estimated
-  (they are then skipped later than they could be, never earlier than a quadratic one).
+  The growth exponent is the one between the last two timed lengths (at least 1), or 2
+  (quadratic) from a single point, so a point is skipped before it runs far over budget.
   """
-  if previous is None:
+  if not history:
     return 0.0
-  last_length, last_seconds = previous
+  last_length, last_seconds = history[-1]
+  exponent = 2.0
+  if len(history) > 1:
+    first_length, first_seconds = history[-2]
+    growth = math.log(last_seconds / first_seconds) / math.log(last_length / first_length)
+    exponent = max(1.0, growth)
   return last_seconds * (length / last_length) ** exponent

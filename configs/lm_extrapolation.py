@@ -1,0 +1,53 @@
+"""Byte-level language modeling on the embedded corpus: train short, evaluate long.
+
+The ALiBi paper's experiment (arXiv:2108.12409, Figure 1 / Table 2) at laptop scale: train at
+length L, evaluate perplexity at L, 2L, 4L, 8L, 16L with non-overlapping and sliding windows.
+
+  python -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo
+      6 runs (MHA x none/sinusoidal/rope/alibi, linear, mamba), about 7 minutes on 2 CPU cores.
+      Expected at 8L (non-overlapping): ALiBi within ~10% of its 1x perplexity, sinusoidal 2x or
+      more, RoPE in between; RoPE also gets PI / NTK / YaRN rows without retraining.
+  python -m experiments.run --config=configs/lm_extrapolation.py:full --workdir=runs/full
+      every attention type x compatible position x 3 seeds, for one GPU.
+Override anything, e.g. --config.train.num_steps=2000.
+"""
+
+from configs import base
+from research import attention
+from research import model as model_lib
+
+
+def get_config(preset="quick"):
+  config = base.get_config()
+  config.data.name = "stdlib_bytes"
+  if preset == "quick":
+    config.model.update(dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, mlp_ratio=4))
+    config.train.update(dict(num_steps=200, batch_size=32, seq_len=128, learning_rate=3e-3,
+                             warmup_steps=20, log_every=50, checkpoint_every=100))
+    config.eval.update(dict(num_tokens=4096, batch_size=8, sliding_stride=128,
+                            rope_scalings=("pi", "ntk", "yarn")))
+  elif preset == "full":
+    config.model.update(dict(num_layers=8, d_model=512, num_heads=8, num_kv_heads=2,
+                             compute_dtype="bfloat16", block_size=256))
+    config.train.update(dict(num_steps=20000, batch_size=64, seq_len=512, learning_rate=1e-3,
+                             warmup_steps=1000, log_every=200, checkpoint_every=2000,
+                             eval_every=2000))
+    config.eval.update(dict(num_tokens=262144, batch_size=8, sliding_stride=256,
+                            rope_scalings=("pi", "ntk", "yarn")))
+  else:
+    raise ValueError(f"unknown preset {preset!r}; valid: quick, full")
+  config.model.rope_original_length = config.train.seq_len
+  config.eval.lengths = tuple(config.train.seq_len * k for k in (1, 2, 4, 8, 16))
+  return config
+
+
+def get_sweep(preset="quick"):
+  if preset == "quick":
+    return ([{"model.attention": "mha", "model.position": p}
+             for p in ("none", "sinusoidal", "rope", "alibi")]
+            + [{"model.attention": "linear", "model.position": "rope"},
+               {"model.attention": "mamba", "model.position": "none"}])
+  return [{"model.attention": a, "model.position": p, "train.seed": seed}
+          for a, cls in sorted(attention.REGISTRY.items())
+          for p in model_lib.compatible_positions(cls)
+          for seed in (0, 1, 2)]

@@ -1,0 +1,62 @@
+"""Benchmarks: each suite measures rows, then writes DIR/<suite>.json, .md and .png.
+
+  python -m experiments.bench --suite=mixers --out=DIR [--lengths=256,512,...]
+      [--dtype=float32|bfloat16] [--quick]
+  python -m experiments.bench --suite=decode --out=DIR
+  python -m experiments.bench --suite=train --out=DIR
+
+mixers: forward + backward time and compiled temp memory of each mixer kernel against length
+(about 6 minutes on a 2-core CPU); decode: per-token decode latency and cache bytes against
+context length (about 3 minutes); train: tokens/s and MFU of the training loop against a
+minimal NNX step (about 5 minutes). --quick: short lengths and fewer repeats, a smoke test.
+The markdown file lists the performance targets as ratios computed from the same run.
+"""
+
+import argparse
+import shlex
+import sys
+
+from research.bench import decode
+from research.bench import mixers
+from research.bench import report
+from research.bench import train
+
+# name -> research.bench.report.Suite. To add one (e.g. `train`): a module with
+# `run(args) -> rows`, tables, summary and panels packed into a Suite, and one entry here.
+SUITES = {
+    "mixers": mixers.SUITE,
+    "decode": decode.SUITE,
+    "train": train.SUITE,
+}
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--suite", required=True, choices=sorted(SUITES))
+  parser.add_argument("--out", required=True, help="directory for <suite>.json, .md and .png")
+  parser.add_argument("--lengths", default="",
+                      help="comma-separated lengths (context lengths for decode); default: "
+                           "256..16384, or two short ones with --quick")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--quick", action="store_true", help="short lengths, fewer repeats")
+  args = parser.parse_args(argv)
+  args.lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
+  return args
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse_args(argv)
+  suite = SUITES[args.suite]
+  command = shlex.join(["python", "-m", "experiments.bench"] + argv)
+  meta = report.metadata(command)
+  print(f"{suite.name}: {meta['hardware']}, jax {meta['jax_version']}", flush=True)
+  rows = suite.run(args)
+  paths = report.write_all(args.out, suite, rows, meta)
+  print("\n".join(suite.summary(rows)))
+  print("wrote " + ", ".join(paths.values()))
+  return paths
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,83 @@
+"""Run a whole sweep: train and evaluate each member, then results.csv, summary.md, figures.
+
+  python -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo
+  python -m experiments.run --config=... --workdir=DIR --parallel=4      # 4 runs at once
+  python -m experiments.run --config=... --workdir=DIR --sweep_index=$SLURM_ARRAY_TASK_ID
+  python -m experiments.run --config=... --workdir=DIR --collect         # after an array job
+
+Rerunning the same command does only what is not done (finished runs are kept; interrupted
+ones resume from their checkpoints; failed ones are retried).
+"""
+
+import subprocess
+import sys
+
+import jax
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from research import report
+from research import sweep
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:preset].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Sweep output directory.")
+_SWEEP_INDEX = flags.DEFINE_integer("sweep_index", None, "Run only this member (array jobs).")
+_PARALLEL = flags.DEFINE_integer("parallel", 1, "Members to run at once, as subprocesses.")
+_COLLECT = flags.DEFINE_bool("collect", False, "Only gather results and draw the figures.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _config_path_and_preset():
+  """(path.py, preset) of --config=path.py:preset; get_sweep takes the preset like get_config."""
+  path, _, preset = config_flags.get_config_filename(flags.FLAGS["config"]).partition(":")
+  return path, preset
+
+
+def _run_in_subprocesses(members, parallel):
+  """Each member as `--sweep_index=i` in its own process, `parallel` at a time."""
+  base_args = [a for a in sys.argv[1:] if not a.startswith(("--parallel", "--sweep_index"))]
+  queue, running = list(members), []
+  while queue or running:
+    while queue and len(running) < parallel:
+      member = queue.pop(0)
+      running.append(subprocess.Popen(
+          [sys.executable, "-m", "experiments.run", *base_args, f"--sweep_index={member.index}"]))
+    running[0].wait()
+    running = [p for p in running if p.poll() is None]
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)  # progress lines, not library INFO logs
+  workdir = _WORKDIR.value
+  path, preset = _config_path_and_preset()
+  get_sweep = sweep.load_module(path).get_sweep
+  members = sweep.expand(get_sweep(preset) if preset else get_sweep(), _CONFIG.value,
+                         jax.device_count())
+  sweep.check_sweep_workdir(workdir, _CONFIG.value, members)
+  if _SWEEP_INDEX.value is not None:
+    if not 0 <= _SWEEP_INDEX.value < len(members):
+      raise app.UsageError(f"--sweep_index={_SWEEP_INDEX.value}; valid: 0..{len(members) - 1}")
+    sweep.run_member(workdir, members[_SWEEP_INDEX.value])
+    return
+  if not _COLLECT.value:
+    pending = [m for m in members if sweep.status(workdir, m.name)["state"] != "done"]
+    print(f"sweep of {len(members)} runs, {len(pending)} to do, in {workdir}", flush=True)
+    if _PARALLEL.value > 1:
+      _run_in_subprocesses(pending, _PARALLEL.value)
+    else:
+      for member in pending:
+        sweep.run_member(workdir, member)
+  report.collect(workdir, members)
+  missing = report.redraw(workdir)
+  print(f"results: {workdir}/results.csv, {workdir}/summary.md, {workdir}/extrapolation.png, "
+        f"{workdir}/loss_by_position.png")
+  if missing:
+    print(f"runs without results ({len(missing)}): {', '.join(missing)}; see summary.md")
+
+
+if __name__ == "__main__":
+  app.run(main)

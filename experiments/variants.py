@@ -1,0 +1,39 @@
+"""Print the attention x position compatibility table with parameter counts (for the README).
+
+  python -m experiments.variants [--config.model.d_model=256 ...]
+"""
+
+from absl import app
+from flax import nnx
+from ml_collections import config_flags
+
+from research import attention
+from research import model as model_lib
+from research import positions
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/base.py", "Config for the sizes.")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value.model
+  print(f"Parameters at num_layers={config.num_layers}, d_model={config.d_model}, "
+        f"num_heads={config.num_heads}, num_kv_heads={config.num_kv_heads} (gqa), "
+        f"vocab_size={config.vocab_size}; KV cache / state bytes per sequence at 1024 tokens "
+        f"(float32).\n")
+  names = list(positions.REGISTRY)
+  print("| attention | " + " | ".join(names) + " | parameters | cache bytes @1024 |")
+  print("|---" * (len(names) + 3) + "|")
+  for name, mixer_cls in attention.REGISTRY.items():
+    supported = model_lib.compatible_positions(mixer_cls)
+    config.attention = name
+    config.position = supported[0]
+    model = nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0)))
+    marks = ["yes" if p in supported else "-" for p in names]
+    print(f"| {name} | " + " | ".join(marks) +
+          f" | {model_lib.count_params(model):,} | {model.cache_bytes(1, 1024):,} |")
+
+
+
+if __name__ == "__main__":
+  app.run(main)

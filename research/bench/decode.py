@@ -1,0 +1,160 @@
+"""Per-token decode latency and cache bytes against context length, per attention type.
+
+A small reference model (2 layers, d_model 256, 8 heads, head_dim 32, no position scheme so
+that only the mixer differs) decodes one token with its cache sized to the context being
+measured (design.md, section 6) and filled up to it: cache["index"] is set to context - 1
+instead of prefilling, which does not change the work of a step, and every timed step keeps
+that index, so each one attends over the whole context. The step is `nnx.split` / `merge`
+inside `jax.jit` with the cache donated. Bytes: `model.cache_bytes` for every type, and for
+softmax types the analytic KV cache 2 * layers * kv_heads * head_dim * bytes * tokens * batch.
+"""
+
+import statistics
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs import base
+import research
+from research import attention
+from research import nn
+from research.bench import report
+from research.bench import timing
+
+BATCH, LAYERS, D_MODEL, HEADS = 1, 2, 256, 8
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (256, 1024)
+STEPS, WARMUP = 64, 3  # timed and warm-up decode steps per point
+# name -> model-config overrides
+VARIANTS = {
+    "mha": {"attention": "mha"},
+    "gqa_kv4": {"attention": "gqa", "num_kv_heads": 4},
+    "gqa_kv2": {"attention": "gqa", "num_kv_heads": 2},
+    "mqa": {"attention": "mqa"},
+    "linear": {"attention": "linear"},
+    "mamba": {"attention": "mamba"},
+}
+SOFTMAX = ("mha", "gqa", "mqa")
+
+
+def model_config(variant, dtype):
+  config = base.get_config().model
+  config.update(num_layers=LAYERS, d_model=D_MODEL, num_heads=HEADS, position="none",
+                compute_dtype=dtype, **VARIANTS[variant])
+  return config
+
+
+def kv_heads(config):
+  return attention.REGISTRY.lookup(config.attention).kv_heads(config)
+
+
+def analytic_kv_bytes(config, context):
+  """2 * layers * kv_heads * head_dim * bytes * tokens * batch, softmax types only."""
+  if config.attention not in SOFTMAX:
+    return None
+  itemsize = jnp.dtype(nn.compute_dtype(config)).itemsize
+  head_dim = config.d_model // config.num_heads
+  return 2 * config.num_layers * kv_heads(config) * head_dim * itemsize * context * BATCH
+
+
+def decode_step(graphdef):
+  """A jitted step (state, token, cache) -> (logits, cache) that keeps the cache's index."""
+
+  def step(state, token_Bx1, cache):
+    logits, new_cache = nnx.merge(graphdef, state).decode(token_Bx1, cache)
+    return logits, {**new_cache, "index": cache["index"]}
+
+  return jax.jit(step, donate_argnums=2)
+
+
+def step_latencies(step, state, token, cache, steps, warmup):
+  """Seconds of each of `steps` calls after `warmup` calls, the cache threaded through."""
+  times = []
+  for i in range(warmup + steps):
+    seconds, (_, cache) = timing.time_call(step, state, token, cache)
+    if i >= warmup:
+      times.append(seconds)
+  return times
+
+
+def measure_variant(variant, contexts, dtype, steps, warmup):
+  """One row per context: the same model and jitted step, a cache sized to each context."""
+  config = model_config(variant, dtype)
+  model = research.build_model(config, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  step = decode_step(graphdef)
+  token = jnp.zeros((BATCH, 1), jnp.int32)
+  rows = []
+  for context in contexts:
+    cache = model.init_cache(BATCH, context)
+    cache["index"] = jnp.asarray(context - 1, jnp.int32)
+    times = step_latencies(step, state, token, cache, steps, warmup)
+    rows.append({"variant": variant, "attention": config.attention,
+                 "kv_heads": kv_heads(config) if config.attention in SOFTMAX else None,
+                 "context": context, "dtype": dtype,
+                 "latency_ms": round(1e3 * statistics.median(times), 4), "steps": steps,
+                 "cache_bytes": model.cache_bytes(BATCH, context),
+                 "analytic_kv_bytes": analytic_kv_bytes(config, context)})
+    print(report.progress_line(rows[-1]), flush=True)
+  return rows
+
+
+def run(args):
+  """Rows for every variant x context of `args` (lengths, dtype, quick)."""
+  contexts = sorted(args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS))
+  steps, warmup = (2, 1) if args.quick else (STEPS, WARMUP)
+  return [row for variant in VARIANTS
+          for row in measure_variant(variant, contexts, args.dtype, steps, warmup)]
+
+
+def summary(rows):
+  """The targets, as ratios of this run's rows, between its shortest and longest context."""
+  short, long = min(row["context"] for row in rows), max(row["context"] for row in rows)
+  get = lambda field, variant, context: report.lookup(rows, field, variant=variant,
+                                                       context=context)
+  f = report.fmt_ratio
+  lines = []
+  for variant in ("linear", "mamba"):
+    growth = report.ratio(get("latency_ms", variant, long), get("latency_ms", variant, short))
+    lines.append(f"{variant} latency {long}/{short} = {f(growth)} (target <= 1.5x): "
+                 f"{report.verdict(growth, 1.5)}")
+  quarter = [report.ratio(get("cache_bytes", "gqa_kv2", c), get("cache_bytes", "mha", c))
+             for c in sorted(set(row["context"] for row in rows))]
+  exact = all(q == 0.25 for q in quarter)
+  lines.append(f"gqa_kv2 / mha cache bytes = {', '.join(f'{q:.4f}' for q in quarter)} at every "
+               f"context (target exactly 0.25): {'met' if exact else 'MISSED'}")
+  speed = report.ratio(get("latency_ms", "gqa_kv2", long), get("latency_ms", "mha", long))
+  lines.append(f"gqa_kv2 / mha latency at {long} = {f(speed)} (target < 1x): "
+               f"{report.verdict(speed, 1) if speed != 1 else 'MISSED (equal)'}")
+  agree = all(row["cache_bytes"] == row["analytic_kv_bytes"] for row in rows
+              if row["analytic_kv_bytes"] is not None)
+  lines.append(f"softmax cache_bytes equal the analytic KV bytes: {'yes' if agree else 'NO'}")
+  return lines
+
+
+def tables(rows):
+  mib = lambda b: f"{b / report.MIB:.3f}"
+  return [
+      ("per-token decode latency, ms (median)",
+       report.pivot(rows, "variant", "context", "latency_ms", lambda ms: f"{ms:.2f}")),
+      ("cache bytes (model.cache_bytes), MiB",
+       report.pivot(rows, "variant", "context", "cache_bytes", mib)),
+      ("analytic KV cache bytes, MiB (softmax types)",
+       report.pivot([row for row in rows if row["analytic_kv_bytes"] is not None], "variant",
+                    "context", "analytic_kv_bytes", mib)),
+  ]
+
+
+SUITE = report.Suite(
+    name="decode",
+    description=(
+        f"One-token decode steps of a {LAYERS}-layer, d_model {D_MODEL}, {HEADS}-head model "
+        f"(MLP ratio 4, vocabulary 258, no position scheme), batch {BATCH}, cache sized to the "
+        f"context and its index at context - 1; jitted step with the cache donated; median of "
+        f"{STEPS} timed steps after {WARMUP} warm-up steps."),
+    run=run, tables=tables, summary=summary,
+    panels=(report.Panel("context", "latency_ms", "variant", "per-token decode latency",
+                         "ms (median)"),
+            report.Panel("context", "cache_bytes", "variant", "cache / state bytes", "MiB",
+                         scale=report.MIB)))

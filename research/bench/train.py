@@ -1,0 +1,140 @@
+"""Training throughput and MFU: the shared loop (research.train) against a minimal step.
+
+For each variant at one reference model size (2 layers, d_model 128, 4 heads; the issue's CPU
+reference), tokens per second of the whole training loop (data, sharded jit step, metrics), read
+from its metrics.jsonl after compilation, and of a minimal hand-written Flax NNX step (nnx.jit,
+nnx.value_and_grad, nnx.Optimizer with the same optax chain) on the same batches. MFU =
+train FLOPs per token (research.flops) x tokens/s / peak, the peak being a large matmul measured
+in the same run on CPU (datasheet bf16 peak x devices on accelerators).
+"""
+
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from configs import base
+from research import data
+from research import flops
+from research import model as model_lib
+from research import train as train_lib
+from research.bench import report
+
+VARIANTS = (("mha", "rope"), ("gqa", "rope"), ("mqa", "rope"), ("linear", "rope"),
+            ("mamba", "none"))
+TOKENS_PER_BATCH = 4096  # batch 32 x length 128
+LENGTHS, QUICK_LENGTHS = (128, 512), (32,)
+
+
+def reference_config(attention, position, seq_len, num_steps, dtype):
+  config = base.get_config()
+  config.model.update(dict(attention=attention, position=position, num_layers=2, d_model=128,
+                           num_heads=4, num_kv_heads=2, compute_dtype=dtype,
+                           rope_original_length=seq_len))
+  config.train.update(dict(seq_len=seq_len, batch_size=max(TOKENS_PER_BATCH // seq_len, 1),
+                           num_steps=num_steps, warmup_steps=1, log_every=num_steps // 2,
+                           checkpoint_every=num_steps, eval_batches=1))
+  config.mesh.shape = (-1, 1, 1)
+  config.eval.batch_size = jax.device_count()
+  return config
+
+
+def loop_tokens_per_second(config):
+  """The loop's own measurement over its second logging window (compilation excluded)."""
+  with tempfile.TemporaryDirectory() as workdir:
+    train_lib.train_and_evaluate(config, workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      return json.loads(f.readlines()[-1])["tokens_per_second"]
+
+
+def minimal_tokens_per_second(config):
+  """A hand-written NNX train step on the same model, optimizer and batches."""
+  model = model_lib.build_model(config.model, rngs=nnx.Rngs(config.train.seed))
+  optimizer = nnx.Optimizer(model, train_lib.make_optimizer(config)[0], wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch):
+    def loss_fn(model):
+      logits = model(batch["inputs"])
+      nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+      return (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  t = config.train
+  batches = [jax.tree.map(jnp.asarray, data.train_batch(config, s)) for s in range(t.num_steps)]
+  step(model, optimizer, batches[0]).block_until_ready()  # compile
+  start = time.perf_counter()
+  for batch in batches[1:]:
+    loss = step(model, optimizer, batch)
+  loss.block_until_ready()
+  return (t.num_steps - 1) * t.batch_size * t.seq_len / (time.perf_counter() - start)
+
+
+def run(args):
+  lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
+  num_steps = 4 if args.quick else 40
+  peak = flops.peak_flops()
+  peak = peak * jax.device_count() if peak else flops.measure_matmul_flops()
+  rows = []
+  for attention, position in VARIANTS:
+    for seq_len in lengths:
+      config = reference_config(attention, position, seq_len, num_steps, args.dtype)
+      model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
+      flops_per_token = flops.train_flops_per_token(model, seq_len)
+      measured = {"loop": loop_tokens_per_second(config)}
+      if seq_len == lengths[0]:
+        measured["minimal"] = minimal_tokens_per_second(config)
+      for implementation, tokens_per_second in measured.items():
+        row = {"variant": f"{attention}/{position}", "implementation": implementation,
+               "series": f"{attention} {implementation}", "seq_len": seq_len,
+               "batch_size": config.train.batch_size,
+               "params": model_lib.count_params(model), "flops_per_token": flops_per_token,
+               "tokens_per_second": tokens_per_second,
+               "mfu": flops.mfu(flops_per_token, tokens_per_second, peak),
+               "peak_flops": peak}
+        print(report.progress_line(row), flush=True)
+        rows.append(row)
+  return rows
+
+
+def summary(rows):
+  lines = [f"peak (measured large matmul on CPU, datasheet elsewhere): "
+           f"{rows[0]['peak_flops'] / 1e9:.1f} GFLOP/s"]
+  for variant in dict.fromkeys(row["variant"] for row in rows):
+    seq_len = min(row["seq_len"] for row in rows if row["variant"] == variant)
+    get = lambda impl: report.lookup(rows, "tokens_per_second", variant=variant,
+                                     implementation=impl, seq_len=seq_len)
+    ratio = report.ratio(get("loop"), get("minimal"))
+    lines.append(f"{variant}: loop / minimal NNX step tokens/s at length {seq_len} = "
+                 f"{report.fmt_ratio(ratio)} (target >= 0.95x): "
+                 f"{report.verdict(ratio, 0.95, at_most=False)}")
+  return lines
+
+
+def tables(rows):
+  body = [[r["variant"], r["implementation"], r["seq_len"], r["batch_size"], f"{r['params']:,}",
+           f"{r['flops_per_token'] / 1e6:.2f}", f"{r['tokens_per_second']:,.0f}",
+           f"{100 * r['mfu']:.1f}%"] for r in rows]
+  return [("training throughput", report.markdown_table(
+      ["variant", "implementation", "length", "batch", "params", "MFLOP/token", "tokens/s",
+       "MFU"], body))]
+
+
+SUITE = report.Suite(
+    name="train",
+    description=(
+        "Training tokens/s and MFU at the reference size (2 layers, d_model 128, 4 heads, "
+        f"{TOKENS_PER_BATCH} tokens per batch): the shared loop (`research.train`, metrics.jsonl, "
+        "compilation excluded) against a minimal hand-written Flax NNX step on the same batches."),
+    run=run, tables=tables, summary=summary,
+    panels=(report.Panel("seq_len", "tokens_per_second", "series", "training throughput",
+                         "tokens / second"),))

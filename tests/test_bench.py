@@ -1,0 +1,97 @@
+"""The benchmark suites' code paths on tiny lengths: outputs written with the expected rows.
+
+No timing is asserted (design.md, section 6); only that every point was measured or skipped
+with a reason, and that the JSON, markdown and PNG files hold what the reports need.
+"""
+
+import json
+
+import pytest
+
+from experiments import bench
+from research.bench import decode
+from research.bench import mixers
+from research.bench import report
+from research.bench import timing
+
+LENGTHS = (16, 32)
+
+
+def _run(suite, tmp_path):
+  argv = [f"--suite={suite}", f"--out={tmp_path}", "--lengths=32,16", "--quick"]
+  paths = bench.main(argv)
+  with open(paths["json"]) as f:
+    written = json.load(f)
+  with open(paths["md"]) as f:
+    markdown = f.read()
+  with open(paths["png"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert written["metadata"]["command"] == "python -m experiments.bench " + " ".join(argv)
+  assert {"date", "hardware", "jax_version"} <= set(written["metadata"])
+  return written["rows"], markdown
+
+
+def _table_rows(markdown, title):
+  """The body lines of the markdown table under `## title`, as lists of cells."""
+  section = markdown.split(f"## {title}\n\n", 1)[1].split("\n\n", 1)[0]
+  lines = section.strip().splitlines()
+  assert lines[0].split("|")[2:-1] == [f" {n} " for n in LENGTHS], lines[0]
+  return [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
+
+
+def test_mixers_suite_writes_rows_tables_and_targets(tmp_path):
+  rows, markdown = _run("mixers", tmp_path)
+  names = [kernel.name for kernel in mixers.kernels()]
+  assert [(row["kernel"], row["length"]) for row in rows] == [
+      (name, length) for name in names for length in LENGTHS]
+  for row in rows:
+    assert row["temp_bytes"] > 0, row
+    assert (row["time_ms"] is not None) != bool(row["skipped"]), row
+  assert "cudnn" not in names or "gpu" in markdown
+  time_table = _table_rows(markdown, "fwd+bwd time, ms (median)")
+  assert [line[0] for line in time_table] == names
+  memory_table = _table_rows(markdown, "compiled temp memory, MiB (fwd+bwd)")
+  assert [line[0] for line in memory_table] == names
+  assert "blockwise temp memory 8192/1024" in markdown  # lengths this run lacks:
+  assert "not measured in this run" in markdown
+
+
+def test_decode_suite_writes_rows_tables_and_targets(tmp_path):
+  rows, markdown = _run("decode", tmp_path)
+  assert [(row["variant"], row["context"]) for row in rows] == [
+      (name, length) for name in decode.VARIANTS for length in LENGTHS]
+  for row in rows:
+    assert row["latency_ms"] > 0 and row["cache_bytes"] > 0, row
+  latency_table = _table_rows(markdown, "per-token decode latency, ms (median)")
+  assert [line[0] for line in latency_table] == list(decode.VARIANTS)
+  assert "gqa_kv2 / mha cache bytes = 0.2500, 0.2500 at every context" in markdown
+  assert "softmax cache_bytes equal the analytic KV bytes: yes" in markdown
+  recurrent = [row["cache_bytes"] for row in rows if row["attention"] in ("linear", "mamba")]
+  assert recurrent[0::2] == recurrent[1::2]  # a fixed-size state, whatever the context
+
+
+def test_analytic_kv_bytes_formula():
+  config = decode.model_config("gqa_kv2", "bfloat16")
+  head_dim = decode.D_MODEL // decode.HEADS
+  assert decode.analytic_kv_bytes(config, 100) == 2 * decode.LAYERS * 2 * head_dim * 2 * 100
+  assert decode.analytic_kv_bytes(decode.model_config("mamba", "float32"), 100) is None
+
+
+@pytest.mark.parametrize("history,length,want", [
+    ([], 4096, 0.0),
+    ([(1024, 1.0)], 2048, 4.0),  # one point: quadratic
+    ([(1024, 1.0), (2048, 8.0)], 4096, 64.0),  # measured exponent 3
+    ([(1024, 2.0), (2048, 1.0)], 4096, 2.0),  # never below linear growth
+])
+def test_forecast_seconds(history, length, want):
+  assert timing.forecast_seconds(history, length) == pytest.approx(want)
+
+
+def test_verdicts_and_pivot():
+  assert report.verdict(8.0, 10) == "met"
+  assert report.verdict(20.0, 10) == "MISSED by 2.00x"
+  assert report.verdict(5.0, 10, at_most=False) == "MISSED by 2.00x"
+  assert report.verdict(None, 10) == "not measured in this run"
+  rows = [{"k": "a", "n": 1, "v": 1.0}, {"k": "a", "n": 2, "v": None}, {"k": "b", "n": 2, "v": 3.0}]
+  assert report.pivot(rows, "k", "n", "v", str).splitlines()[2:] == ["| a | 1.0 | — |",
+                                                                     "| b | — | 3.0 |"]
