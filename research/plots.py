@@ -4,7 +4,8 @@
                         training length marked; one line per variant (mean over seeds, band =
                         min..max over seeds), one panel per evaluation mode: the ALiBi paper's
                         Figure 1 (arXiv:2108.12409) style.
-  loss_by_position.png  loss at each token position of the longest non-overlapping windows.
+  rope_scaling.png      the same for the RoPE runs under PI / NTK / YaRN scaling.
+  loss_by_position.png  loss at each token position of long non-overlapping windows.
 """
 
 import collections
@@ -20,10 +21,17 @@ import numpy as np  # noqa: E402
 from research import report  # noqa: E402
 
 
+def _colors(variants):
+  """One color per variant, the same in every panel."""
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"] + list(plt.cm.Dark2.colors)
+  return {variant: cycle[i % len(cycle)] for i, variant in enumerate(sorted(variants))}
+
+
 def extrapolation_figure(rows, path, metric, train_length):
   table = report.aggregate(rows, metric)
   modes = sorted({mode for mode, _ in table})
-  fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+  colors = _colors({variant for _, variant in table})
+  fig, axes = plt.subplots(1, len(modes), figsize=(5.5 * len(modes) + 2.5, 4.5), squeeze=False)
   for ax, mode in zip(axes[0], modes):
     for (m, variant), per_length in sorted(table.items()):
       if m != mode:
@@ -31,9 +39,9 @@ def extrapolation_figure(rows, path, metric, train_length):
       lengths = sorted(per_length)
       values = [per_length[length] for length in lengths]
       mean = [np.mean(v) for v in values]
-      line, = ax.plot(lengths, mean, marker="o", label=variant)
+      ax.plot(lengths, mean, marker="o", label=variant, color=colors[variant])
       ax.fill_between(lengths, [min(v) for v in values], [max(v) for v in values],
-                      color=line.get_color(), alpha=0.15)
+                      color=colors[variant], alpha=0.15)
     ax.axvline(train_length, color="gray", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     if metric == "perplexity":
@@ -42,16 +50,19 @@ def extrapolation_figure(rows, path, metric, train_length):
     ax.set_ylabel(metric)
     ax.set_title(f"{mode} evaluation")
     ax.grid(alpha=0.3, which="both")
-  axes[0][-1].legend(fontsize=7, loc="best")
-  fig.tight_layout()
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="center right", fontsize=8)
+  fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
   fig.savefig(path, dpi=120)
   plt.close(fig)
 
 
-def loss_by_position_figure(workdir, rows, path, train_length, bins=64):
-  """Per variant, the mean loss in `bins` position bins of the longest non-overlapping eval."""
+def loss_by_position_figure(workdir, rows, path, train_length, bins=32, min_windows=8):
+  """Per variant, the mean loss in `bins` position bins of non-overlapping windows: the longest
+  eval length with at least `min_windows` windows (fewer make a curve of one text's noise)."""
   keys = report.swept_keys(rows)
-  longest = max(r["eval_length"] for r in rows)
+  lengths = {r["eval_length"] for r in rows if r["tokens"] >= min_windows * r["eval_length"]}
+  longest = max(lengths or {r["eval_length"] for r in rows})
   curves = collections.defaultdict(list)
   for run in sorted({r["run"] for r in rows}):
     with open(os.path.join(workdir, "runs", run, "eval.json")) as f:
@@ -63,12 +74,14 @@ def loss_by_position_figure(workdir, rows, path, train_length, bins=64):
           curves[report.variant_label(dict(row, rope_scaling="none"), keys)].append(losses)
   if not curves:
     return False
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  colors = _colors(curves)
   for variant, losses in sorted(curves.items()):
     mean = np.nanmean(np.stack(losses), axis=0)
     edges = np.linspace(0, len(mean), bins + 1).astype(int)
     centers = (edges[:-1] + edges[1:]) / 2
-    ax.plot(centers, [np.nanmean(mean[a:b]) for a, b in zip(edges[:-1], edges[1:])], label=variant)
+    ax.plot(centers, [np.nanmean(mean[a:b]) for a, b in zip(edges[:-1], edges[1:])], label=variant,
+            color=colors[variant])
   ax.axvline(train_length, color="gray", linestyle="--", linewidth=1)
   ax.set_xlabel(f"token position in windows of {longest}; dashed: training length")
   ax.set_ylabel("loss (nats/token)")

@@ -69,10 +69,14 @@ def read_csv(path):
   return rows
 
 
+BARE_KEYS = ("model.attention", "model.position", "data.name")  # values name themselves
+
+
 def variant_label(row, swept_keys):
-  """The run name without its seed, plus the RoPE scaling used at evaluation."""
-  parts = [f"{k.split('.')[-1]}={row[k]}" for k in swept_keys if k != "train.seed" and k in row]
-  label = ",".join(parts) or row["run"]
+  """'mha / alibi' (swept values, seed left out), plus the RoPE scaling used at evaluation."""
+  parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
+           for k in swept_keys if k != "train.seed" and k in row]
+  label = " / ".join(parts) or row["run"]
   return label if row["rope_scaling"] == "none" else f"{label} +{row['rope_scaling']}"
 
 
@@ -150,8 +154,15 @@ def redraw(workdir):
   train_length = config.train.seq_len
   write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length)
   if rows:
-    plots.extrapolation_figure(rows, os.path.join(workdir, "extrapolation.png"), metric,
+    plain = [row for row in rows if row["rope_scaling"] == "none"]
+    plots.extrapolation_figure(plain, os.path.join(workdir, "extrapolation.png"), metric,
                                train_length)
+    scaled = [row for row in rows if row["rope_scaling"] != "none"]
+    if scaled:
+      rope_runs = {row["run"] for row in scaled}
+      plots.extrapolation_figure(
+          [row for row in rows if row["run"] in rope_runs and row["eval_mode"] == "nonoverlapping"],
+          os.path.join(workdir, "rope_scaling.png"), metric, train_length)
     plots.loss_by_position_figure(workdir, rows, os.path.join(workdir, "loss_by_position.png"),
                                   train_length)
   return [name for name, _ in not_done]

@@ -106,3 +106,15 @@ def test_command_line_runs_one_member_then_plot_names_the_missing(tmp_path):
   result = subprocess.run([sys.executable, "-m", "experiments.plot", str(tmp_path)], env=env,
                           cwd=ROOT, check=True, capture_output=True, text=True)
   assert "attention=mha,position=alibi" in result.stdout  # not run yet, so named as missing
+
+
+@pytest.mark.parametrize("name,preset", [("lm_extrapolation", "quick"), ("lm_extrapolation", "full"),
+                                         ("tasks_extrapolation", "quick"),
+                                         ("tasks_extrapolation", "full"), ("mqar", "quick"),
+                                         ("mqar", "full")])
+def test_experiment_configs_expand_into_valid_sweeps(name, preset):
+  """Every shipped sweep validates before any work: names, fields, compatible pairs."""
+  module = sweep.load_module(os.path.join(ROOT, "configs", f"{name}.py"))
+  members = sweep.expand(module.get_sweep(preset), module.get_config(preset), num_devices=1)
+  assert len({m.name for m in members}) == len(members) > 1
+  assert sum(not m.skip_reason for m in members) >= len(members) // 2
