@@ -9,6 +9,7 @@ Rerunning the same command does only what is not done (finished runs are kept; i
 ones resume from their checkpoints; failed ones are retried).
 """
 
+import os
 import subprocess
 import sys
 
@@ -73,8 +74,9 @@ def main(argv):
         sweep.run_member(workdir, member)
   report.collect(workdir, members)
   missing = report.redraw(workdir)
-  print(f"results: {workdir}/results.csv, {workdir}/summary.md, {workdir}/extrapolation.png, "
-        f"{workdir}/loss_by_position.png")
+  figures = [name for name in ("extrapolation.png", "rope_scaling.png", "loss_by_position.png")
+             if os.path.exists(os.path.join(workdir, name))]
+  print(f"results in {workdir}/: results.csv, summary.md, {', '.join(figures)}")
   if missing:
     print(f"runs without results ({len(missing)}): {', '.join(missing)}; see summary.md")
 

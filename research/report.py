@@ -101,10 +101,14 @@ def _mean_std(values):
 
 def write_summary(path, rows, not_done, metric, train_length):
   best = min if metric == "perplexity" else max
+  table = aggregate(rows, metric)
+  all_lengths = {length for per in table.values() for length in per}
+  # The ALiBi paper's comparison point, 8x the training length, else the longest one.
+  ratio_length = 8 * train_length if 8 * train_length in all_lengths else max(all_lengths, default=0)
   lines = [f"# Summary: {metric} by evaluation length", "",
            f"Trained at length {train_length}. Cells: mean +/- std over seeds (best seed). "
-           f"`ratio` is the longest length's mean over the mean at the training length.", ""]
-  table = aggregate(rows, metric)
+           f"`ratio` is the mean at length {ratio_length} over the mean at the training length.",
+           ""]
   for mode in sorted({mode for mode, _ in table}):
     lengths = sorted({length for (m, _), per in table.items() if m == mode for length in per})
     lines += [f"## {mode}", "", "| variant | " + " | ".join(map(str, lengths)) + " | ratio |",
@@ -122,8 +126,8 @@ def write_summary(path, rows, not_done, metric, train_length):
         cells.append(f"{mean:.3f} +/- {std:.3f} ({best(values):.3f})" if len(values) > 1
                      else f"{mean:.3f}")
       ratio = ""
-      if per_length.get(train_length) and per_length.get(lengths[-1]):
-        ratio = (f"{_mean_std(per_length[lengths[-1]])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
+      if per_length.get(train_length) and per_length.get(ratio_length):
+        ratio = (f"{_mean_std(per_length[ratio_length])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
       lines.append(f"| {variant} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
   if not_done:

@@ -50,10 +50,14 @@ def make_optimizer(config):
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
       decay_steps=t.num_steps, end_value=t.learning_rate * t.end_learning_rate_fraction)
 
-  def decay_mask(params):
-    return jax.tree.map_with_path(
-        lambda path, p: p.ndim >= 2 and getattr(path[-1], "key", None) not in NO_DECAY_NAMES,
-        params)
+  def decay_mask(params):  # params: a tree of nnx Variables (the loop) or of arrays (nnx.Optimizer)
+    def decays(path, leaf):
+      name = next((k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str)), "")
+      is_variable = isinstance(leaf, nnx.Variable)
+      decay = jnp.ndim(leaf.value if is_variable else leaf) >= 2 and name not in NO_DECAY_NAMES
+      return leaf.replace(decay) if is_variable else decay
+
+    return jax.tree.map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   optimizer = optax.chain(
       optax.clip_by_global_norm(t.grad_clip_norm),

@@ -95,3 +95,19 @@ def test_verdicts_and_pivot():
   rows = [{"k": "a", "n": 1, "v": 1.0}, {"k": "a", "n": 2, "v": None}, {"k": "b", "n": 2, "v": 3.0}]
   assert report.pivot(rows, "k", "n", "v", str).splitlines()[2:] == ["| a | 1.0 | — |",
                                                                      "| b | — | 3.0 |"]
+
+
+def test_train_suite_compares_the_loop_with_a_minimal_step(tmp_path):
+  argv = ["--suite=train", f"--out={tmp_path}", "--lengths=16", "--quick"]
+  paths = bench.main(argv)
+  with open(paths["json"]) as f:
+    rows = json.load(f)["rows"]
+  variants = {row["variant"] for row in rows}
+  assert variants == {"mha/rope", "linear/rope"}
+  assert {(row["variant"], row["implementation"]) for row in rows} == {
+      (v, impl) for v in variants for impl in ("loop", "minimal")}
+  for row in rows:
+    assert row["tokens_per_second"] > 0 and 0 < row["mfu"] < 1, row
+  with open(paths["md"]) as f:
+    markdown = f.read()
+  assert markdown.count("loop / minimal NNX step tokens/s") == len(variants)

@@ -106,3 +106,34 @@ def test_hybrid_of_only_attention_still_rejects_incompatible_positions():
 
 def test_registry_lists_required_names():
   assert {"mha", "mqa", "gqa", "linear", "mamba"} <= set(attention.REGISTRY)
+
+
+@pytest.mark.parametrize("name", ["gqa", "linear", "mamba"])
+def test_bfloat16_compute_keeps_float32_parameters_and_logits(name):
+  config = tiny_model_config(attention=name, position="none", compute_dtype="bfloat16")
+  logits, model = _forward(config)
+  assert logits.dtype == jnp.float32 and bool(jnp.isfinite(logits).all())
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype("float32")}
+  full, _ = _forward(tiny_model_config(attention=name, position="none"), nnx.state(model))
+  np.testing.assert_allclose(logits, full, atol=0.1, rtol=0.1)  # bf16 rounding only
+
+
+def test_mha_to_gqa_mean_pools_key_and_value_heads():
+  from research.attention.convert import mha_to_gqa
+
+  mha_logits, mha = _forward(tiny_model_config(attention="mha", position="rope"))
+  same, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=4),
+                     mha_to_gqa(nnx.state(mha), 4, 4))
+  np.testing.assert_allclose(same, mha_logits, atol=1e-6)
+  # Heads that are already equal within each group pool to themselves: the logits stay.
+  state = nnx.state(mha)
+  for path, variable in nnx.to_flat_state(state):
+    if path[-2] in ("key", "value"):
+      kernel = variable.value
+      variable.value = jnp.repeat(kernel[:, ::2], 2, axis=1)
+  twin_logits, _ = _forward(tiny_model_config(attention="mha", position="rope"), state)
+  pooled = mha_to_gqa(state, 4, 2)
+  assert [v.value.shape for p, v in nnx.to_flat_state(pooled) if p[-2] == "key"] == [(32, 2, 8)]
+  gqa_logits, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=2),
+                           pooled)
+  np.testing.assert_allclose(gqa_logits, twin_logits, atol=1e-5)

@@ -12,9 +12,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
+from research import model as model_lib
 from research import train
 from tests import tiny_config
+from tests.conftest import tiny_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
@@ -153,3 +156,36 @@ def test_workdir_of_a_different_config_is_refused_and_kept(tmp_path):
   with pytest.raises(ValueError, match="holds a run of a different config.*model.position"):
     train.train_and_evaluate(config, str(tmp_path))
   assert open(tmp_path / "metrics.jsonl").read() == before
+
+
+def test_gradient_accumulation_matches_the_full_batch(tmp_path):
+  config = tiny_config.get_config()
+  config.train.update(dict(num_steps=3, batch_size=16))
+  train.train_and_evaluate(config, str(tmp_path / "full"))
+  config.train.grad_accum_steps = 2
+  train.train_and_evaluate(config, str(tmp_path / "accumulated"))
+  np.testing.assert_allclose(_losses(tmp_path / "accumulated"), _losses(tmp_path / "full"),
+                             rtol=1e-5)
+
+
+def test_no_weight_decay_on_norms_biases_and_ssm_decay_parameters():
+  model = model_lib.build_model(tiny_model_config(attention="mamba", position="none"),
+                                rngs=nnx.Rngs(0))
+  config = tiny_config.get_config()
+  config.train.update(dict(learning_rate=1.0, warmup_steps=0, weight_decay=1.0))
+  optimizer, _ = train.make_optimizer(config)
+  params = nnx.state(model)
+  # With zero gradients AdamW's update is the weight decay alone: -lr * wd * param.
+  updates, _ = optimizer.update(jax.tree.map(np.zeros_like, params), optimizer.init(params),
+                                params)
+  decayed = {path[-1] for path, update in nnx.to_flat_state(updates)
+             if np.abs(np.asarray(update.value)).sum() > 0}
+  assert decayed == {"kernel", "embedding", "conv_kernel"}, decayed
+
+
+def test_tensorboard_events_are_written_without_tensorflow(tmp_path):
+  config = tiny_config.get_config()
+  config.train.update(dict(num_steps=2, warmup_steps=1, tensorboard=True))
+  train.train_and_evaluate(config, str(tmp_path))
+  assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
+  assert "tensorflow" not in sys.modules

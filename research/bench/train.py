@@ -28,6 +28,7 @@ from research.bench import report
 
 VARIANTS = (("mha", "rope"), ("gqa", "rope"), ("mqa", "rope"), ("linear", "rope"),
             ("mamba", "none"))
+QUICK_VARIANTS = (("mha", "rope"), ("linear", "rope"))
 TOKENS_PER_BATCH = 4096  # batch 32 x length 128
 LENGTHS, QUICK_LENGTHS = (128, 512), (32,)
 
@@ -41,7 +42,8 @@ def reference_config(attention, position, seq_len, num_steps, dtype):
                            num_steps=num_steps, warmup_steps=1, log_every=num_steps // 2,
                            checkpoint_every=num_steps, eval_batches=1))
   config.mesh.shape = (-1, 1, 1)
-  config.eval.batch_size = jax.device_count()
+  config.eval.update(dict(lengths=(seq_len,), modes=("nonoverlapping",), batch_size=jax.device_count(),
+                          num_tokens=max(seq_len, 1024)))
   return config
 
 
@@ -85,7 +87,7 @@ def run(args):
   peak = flops.peak_flops()
   peak = peak * jax.device_count() if peak else flops.measure_matmul_flops()
   rows = []
-  for attention, position in VARIANTS:
+  for attention, position in QUICK_VARIANTS if args.quick else VARIANTS:
     for seq_len in lengths:
       config = reference_config(attention, position, seq_len, num_steps, args.dtype)
       model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
