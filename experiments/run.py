@@ -12,6 +12,7 @@ ones resume from their checkpoints; failed ones are retried).
 import os
 import subprocess
 import sys
+import time
 
 import jax
 from absl import app
@@ -46,7 +47,7 @@ def _run_in_subprocesses(members, parallel):
       member = queue.pop(0)
       running.append(subprocess.Popen(
           [sys.executable, "-m", "experiments.run", *base_args, f"--sweep_index={member.index}"]))
-    running[0].wait()
+    time.sleep(1)
     running = [p for p in running if p.poll() is None]
 
 

@@ -1,5 +1,6 @@
 """Checks that run before any work: a bad config or workdir fails here and writes nothing."""
 
+import importlib.util
 import json
 import os
 
@@ -42,6 +43,9 @@ def validate_config(config, num_devices, process_count=1):
   if t.batch_size % process_count:
     raise ValueError(f"train.batch_size={t.batch_size} must be divisible by the number of "
                      f"processes ({process_count})")
+  if t.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+    raise ValueError("train.tensorboard=True needs the tensorboardX package (in requirements.txt; "
+                     "no TensorFlow needed); install it or set train.tensorboard=False")
   if config.eval.batch_size % batch_parallel:
     raise ValueError(f"eval.batch_size={config.eval.batch_size} must be a multiple of the "
                      f"data-parallel size data*fsdp={batch_parallel}")

@@ -96,7 +96,7 @@ def test_a_different_config_in_the_same_workdir_is_refused(finished_sweep):
     sweep.check_sweep_workdir(workdir, config, members)
 
 
-def test_command_line_runs_one_member_then_plot_names_the_missing(tmp_path):
+def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(tmp_path):
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   command = [sys.executable, "-m", "experiments.run", f"--config={ROOT}/tests/tiny_sweep.py",
              f"--workdir={tmp_path}"]
@@ -106,6 +106,10 @@ def test_command_line_runs_one_member_then_plot_names_the_missing(tmp_path):
   result = subprocess.run([sys.executable, "-m", "experiments.plot", str(tmp_path)], env=env,
                           cwd=ROOT, check=True, capture_output=True, text=True)
   assert "attention=mha,position=alibi" in result.stdout  # not run yet, so named as missing
+  subprocess.run(command + ["--parallel=2"], env=env, cwd=ROOT, check=True, capture_output=True)
+  states = {p.name: json.load(open(p / "status.json"))["state"] for p in (tmp_path / "runs").iterdir()}
+  assert sorted(states.values()) == ["done", "failed", "skipped"]
+  assert (tmp_path / "results.csv").exists() and (tmp_path / "extrapolation.png").exists()
 
 
 @pytest.mark.parametrize("name,preset", [("lm_extrapolation", "quick"), ("lm_extrapolation", "full"),
