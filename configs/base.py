@@ -91,3 +91,9 @@ def get_config():
   e.batch_size = 8
   e.rope_scalings = ()  # extra rows for RoPE runs, e.g. ("pi", "ntk", "yarn")
   return config
+
+
+def check_preset(preset, valid=("quick", "full")):
+  """Experiment files call this first: an unknown preset names the valid ones."""
+  if preset not in valid:
+    raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(valid)}")

@@ -18,6 +18,7 @@ from research import model as model_lib
 
 
 def get_config(preset="quick"):
+  base.check_preset(preset)
   config = base.get_config()
   config.data.name = "stdlib_bytes"
   if preset == "quick":
@@ -28,7 +29,7 @@ def get_config(preset="quick"):
                              warmup_steps=80, log_every=100, checkpoint_every=400))
     config.eval.update(dict(num_tokens=4096, batch_size=8, sliding_stride=128,
                             rope_scalings=("pi", "ntk", "yarn")))
-  elif preset == "full":
+  else:
     config.model.update(dict(num_layers=8, d_model=512, num_heads=8, num_kv_heads=2,
                              compute_dtype="bfloat16", block_size=256))
     config.train.update(dict(num_steps=20000, batch_size=64, seq_len=512, learning_rate=1e-3,
@@ -36,8 +37,6 @@ def get_config(preset="quick"):
                              eval_every=2000))
     config.eval.update(dict(num_tokens=262144, batch_size=8, sliding_stride=256,
                             rope_scalings=("pi", "ntk", "yarn")))
-  else:
-    raise ValueError(f"unknown preset {preset!r}; valid: quick, full")
   config.model.rope_original_length = config.train.seq_len
   config.eval.lengths = tuple(config.train.seq_len * k for k in (1, 2, 4, 8, 16))
   return config

@@ -16,8 +16,7 @@ MIXERS = (("mha", "rope"), ("gqa", "rope"), ("linear", "rope"), ("mamba", "none"
 
 
 def get_config(preset="quick"):
-  if preset not in ("quick", "full"):
-    raise ValueError(f"unknown preset {preset!r}; valid: quick, full")
+  base.check_preset(preset)
   config = base.get_config()
   config.data.update(dict(name="mqar", task_vocab_size=128, num_kv_pairs=8,
                           num_train_examples=100_000, num_eval_examples=512))

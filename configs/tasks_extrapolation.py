@@ -19,8 +19,7 @@ VARIANTS = (("mha", "none"), ("mha", "rope"), ("mha", "alibi"), ("linear", "rope
 
 
 def get_config(preset="quick"):
-  if preset not in ("quick", "full"):
-    raise ValueError(f"unknown preset {preset!r}; valid: quick, full")
+  base.check_preset(preset)
   config = base.get_config()
   config.data.update(dict(name="copy", task_vocab_size=16, train_min_length=1,
                           train_max_length=40, num_train_examples=100_000, num_eval_examples=256))
