@@ -14,7 +14,6 @@ Decoding always takes the xla path: one query block against the cache is already
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from research import nn
 from research import positions as positions_lib
