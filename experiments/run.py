@@ -38,15 +38,17 @@ def _config_path_and_preset():
   return path, preset
 
 
-def _run_in_subprocesses(members, parallel):
-  """Each member as `--sweep_index=i` in its own process, `parallel` at a time."""
+def _run_in_subprocesses(members, parallel, child_env):
+  """Each member as `--sweep_index=i` in its own process, `parallel` at a time. A child that
+  dies without recording a status is reported as missing by the collect step."""
   base_args = [a for a in sys.argv[1:] if not a.startswith(("--parallel", "--sweep_index"))]
   queue, running = list(members), []
   while queue or running:
     while queue and len(running) < parallel:
       member = queue.pop(0)
       running.append(subprocess.Popen(
-          [sys.executable, "-m", "experiments.run", *base_args, f"--sweep_index={member.index}"]))
+          [sys.executable, "-m", "experiments.run", *base_args, f"--sweep_index={member.index}"],
+          env=child_env))
     time.sleep(1)
     running = [p for p in running if p.poll() is None]
 
@@ -55,6 +57,9 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # progress lines, not library INFO logs
   workdir = _WORKDIR.value
+  child_env = dict(os.environ)
+  if _PARALLEL.value > 1:  # this process only plans: keep it from reserving accelerator memory
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   path, preset = _config_path_and_preset()
   get_sweep = sweep.load_module(path).get_sweep
   members = sweep.expand(get_sweep(preset) if preset else get_sweep(), _CONFIG.value,
@@ -66,10 +71,11 @@ def main(argv):
     sweep.run_member(workdir, members[_SWEEP_INDEX.value])
     return
   if not _COLLECT.value:
-    pending = [m for m in members if sweep.status(workdir, m.name)["state"] != "done"]
+    pending = [m for m in members
+               if sweep.status(workdir, m.name)["state"] not in ("done", "skipped")]
     print(f"sweep of {len(members)} runs, {len(pending)} to do, in {workdir}", flush=True)
     if _PARALLEL.value > 1:
-      _run_in_subprocesses(pending, _PARALLEL.value)
+      _run_in_subprocesses(pending, _PARALLEL.value, child_env)
     else:
       for member in pending:
         sweep.run_member(workdir, member)

@@ -8,8 +8,9 @@ from research import data
 from research import model as model_lib
 from research import sharding
 
-# Fields that may change when a run is resumed (they do not change what is being trained).
-RESUMABLE_FIELDS = ("train.num_steps", "train.log_every", "train.checkpoint_every",
+# Fields that may change when a run is resumed (they do not change what is being trained;
+# train.num_steps does, through the length of the learning-rate schedule).
+RESUMABLE_FIELDS = ("train.log_every", "train.checkpoint_every",
                     "train.keep_checkpoints", "train.eval_every", "train.eval_batches",
                     "train.tensorboard", "eval", "distributed", "mesh", "data.dir")
 
@@ -43,6 +44,16 @@ def validate_config(config, num_devices, process_count=1):
   if t.batch_size % process_count:
     raise ValueError(f"train.batch_size={t.batch_size} must be divisible by the number of "
                      f"processes ({process_count})")
+  if t.eval_every and t.eval_every % t.log_every:
+    raise ValueError(f"train.eval_every={t.eval_every} must be a multiple of train.log_every="
+                     f"{t.log_every} (validation is reported with the logged step), or 0")
+  # Validation at the training length runs at the end of training: make sure it can.
+  if data.is_language_modeling(config) and config.eval.num_tokens < t.seq_len:
+    raise ValueError(f"eval.num_tokens={config.eval.num_tokens} must be >= train.seq_len="
+                     f"{t.seq_len} for the validation loss at the training length")
+  if not data.is_language_modeling(config) and t.seq_len not in config.eval.lengths:
+    raise ValueError(f"for tasks, eval.lengths={tuple(config.eval.lengths)} must include "
+                     f"train.seq_len={t.seq_len} (the validation split at the training length)")
   if t.tensorboard and importlib.util.find_spec("tensorboardX") is None:
     raise ValueError("train.tensorboard=True needs the tensorboardX package (in requirements.txt; "
                      "no TensorFlow needed); install it or set train.tensorboard=False")

@@ -17,6 +17,7 @@ from research.model import count_params
 
 # Dense peak FLOP/s per chip from vendor datasheets, for bfloat16 matmuls.
 PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
     "H100": 989e12,
     "H200": 989e12,
     "A100": 312e12,
@@ -56,6 +57,16 @@ def peak_flops(device=None):
     if name.lower() in device.device_kind.lower():
       return peak
   return None
+
+
+def total_peak_flops():
+  """Peak FLOP/s of all devices: datasheet x devices, else a measured matmul (x devices on
+  accelerators; on CPU the fake devices share the same cores, so the matmul is the machine)."""
+  peak = peak_flops()
+  if peak:
+    return peak * jax.device_count()
+  measured = measure_matmul_flops()
+  return measured if jax.default_backend() == "cpu" else measured * jax.device_count()
 
 
 def mfu(flops_per_token, tokens_per_second, peak_flops_per_second):

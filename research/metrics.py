@@ -7,14 +7,23 @@ import os
 
 class MetricWriter:
 
-  def __init__(self, workdir, *, enabled=True, tensorboard=False):
+  def __init__(self, workdir, *, enabled=True, tensorboard=False, resume_step=0):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
+    if enabled and os.path.exists(self.path):
+      self._drop_records_after(resume_step)
     self.tensorboard = None
     if enabled and tensorboard:
       from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional; checked in research.checks)
 
       self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def _drop_records_after(self, step):
+    """Records logged after the checkpoint a run resumes from are logged again: drop them."""
+    with open(self.path) as f:
+      kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(self.path, "w") as f:
+      f.writelines(kept)
 
   def write(self, record, *, eta_seconds, num_steps):
     if not self.enabled:

@@ -47,7 +47,8 @@ def _layer_position(mixer_cls, position):
 def validate(model_config):
   """Raise ValueError naming what is wrong and what is valid; builds nothing."""
   types = layer_types(model_config)
-  mixers = {name: attention.REGISTRY.lookup(name) for name in types}
+  field = "model.layer_pattern" if model_config.layer_pattern else "model.attention"
+  mixers = {name: attention.REGISTRY.lookup(name, field) for name in types}
   position = positions_lib.from_config(model_config)
   nn.compute_dtype(model_config)
   d, heads = model_config.d_model, model_config.num_heads

@@ -14,8 +14,8 @@ class Registry(dict):
     self[name] = cls
     return cls
 
-  def lookup(self, name):
+  def lookup(self, name, config_field=None):
     if name not in self:
-      raise ValueError(
-          f"unknown {self.what} {name!r} in {self.config_field}; valid: {', '.join(sorted(self))}")
+      raise ValueError(f"unknown {self.what} {name!r} in {config_field or self.config_field}; "
+                       f"valid: {', '.join(sorted(self))}")
     return self[name]

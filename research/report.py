@@ -126,7 +126,8 @@ def write_summary(path, rows, not_done, metric, train_length):
         cells.append(f"{mean:.3f} +/- {std:.3f} ({best(values):.3f})" if len(values) > 1
                      else f"{mean:.3f}")
       ratio = ""
-      if per_length.get(train_length) and per_length.get(ratio_length):
+      if (per_length.get(train_length) and per_length.get(ratio_length)
+          and _mean_std(per_length[train_length])[0]):
         ratio = (f"{_mean_std(per_length[ratio_length])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
       lines.append(f"| {variant} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")

@@ -132,7 +132,9 @@ def train_and_evaluate(config, workdir):
     return (nll * batch["loss_mask"]).sum()
 
   def train_step(state, batch):
-    micro = jax.tree.map(lambda x: x.reshape(t.grad_accum_steps, -1, *x.shape[1:]), batch)
+    # Strided micro-batches (rows i, i + k, ...) keep every device's rows on that device.
+    micro = jax.tree.map(
+        lambda x: x.reshape(-1, t.grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
     def accumulate(grads_and_nll, micro_batch):
       nll, grads = jax.value_and_grad(loss_sum)(state["params"], micro_batch)
@@ -166,9 +168,8 @@ def train_and_evaluate(config, workdir):
   # ---- 5. The loop.
   model_for_flops = nnx.merge(graphdef, jax.eval_shape(lambda: state["params"]))
   flops_per_token = flops.train_flops_per_token(model_for_flops, t.seq_len)
-  peak = flops.peak_flops()
-  peak = peak * jax.device_count() if peak else flops.measure_matmul_flops()
-  writer = MetricWriter(workdir, enabled=is_writer, tensorboard=t.tensorboard)
+  peak = flops.total_peak_flops()
+  writer = MetricWriter(workdir, enabled=is_writer, tensorboard=t.tensorboard, resume_step=start)
   if is_writer and start:
     print(f"resuming {workdir} from step {start}", flush=True)
   pending = []  # (step, device metrics) not yet checked for a finite loss
@@ -179,10 +180,11 @@ def train_and_evaluate(config, workdir):
       loss, params_finite = float(metrics["loss"]), bool(metrics["params_finite"])
       if not (np.isfinite(loss) and params_finite):
         manager.wait_until_finished()
-        raise NonFiniteLossError(
-            f"non-finite training at step {step} (loss {loss}, parameters finite: "
-            f"{params_finite}); "
-            f"stopping. The last checkpoint (step {manager.latest_step()}) holds finite values.")
+        last = manager.latest_step()
+        kept = f"the last checkpoint (step {last}) holds finite values" if last else (
+            "no checkpoint was written")
+        raise NonFiniteLossError(f"non-finite training at step {step} (loss {loss}, parameters "
+                                 f"finite: {params_finite}); stopping; {kept}.")
     pending.clear()
 
   window_start, window_steps = time.perf_counter(), 0
@@ -201,6 +203,9 @@ def train_and_evaluate(config, workdir):
         window_start = time.perf_counter()
       else:
         window_steps += 1
+      if done % t.checkpoint_every == 0 or done == t.num_steps:
+        check_finite()
+        manager.save(done, args=ocp.args.StandardSave(state))
       if done % t.log_every == 0 or done == t.num_steps:
         last = jax.device_get(metrics)
         check_finite()
@@ -220,9 +225,6 @@ def train_and_evaluate(config, workdir):
         writer.write(record, eta_seconds=(t.num_steps - done) * elapsed / window_steps,
                      num_steps=t.num_steps)
         window_start, window_steps = time.perf_counter(), 0
-      if done % t.checkpoint_every == 0 or done == t.num_steps:
-        check_finite()
-        manager.save(done, args=ocp.args.StandardSave(state))
   manager.wait_until_finished()
   manager.close()
   writer.close()

@@ -88,6 +88,7 @@ def test_parameter_count_and_logical_axes():
     (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal"),
     (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: xla, blockwise, cudnn"),
     (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'; use 'xla' or 'blockwise'"),
+    (dict(layer_pattern=("mamba", "flash"), num_layers=2), "unknown attention type 'flash' in model.layer_pattern"),
     (dict(layer_pattern=("mamba", "mha"), num_layers=3), "num_layers=3 must be a positive multiple of len"),
     (dict(compute_dtype="fp8"), "unknown model.compute_dtype 'fp8'; valid: float32, bfloat16"),
     (dict(rope_scaling="linear"), "unknown rope_scaling 'linear'; valid: none, pi, ntk, yarn"),
@@ -137,3 +138,15 @@ def test_mha_to_gqa_mean_pools_key_and_value_heads():
   gqa_logits, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=2),
                            pooled)
   np.testing.assert_allclose(gqa_logits, twin_logits, atol=1e-5)
+
+
+def test_decoding_past_the_cache_gives_nan_not_wrong_logits():
+  model = research.build_model(tiny_model_config(attention="mha"), rngs=nnx.Rngs(0))
+  decode = jax.jit(lambda m, t, c: m.decode(t, c))
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  cache = model.init_cache(1, 2)
+  for _ in range(2):
+    logits, cache = decode(model, tokens, cache)
+    assert bool(jnp.isfinite(logits).all())
+  logits, _ = decode(model, tokens, cache)
+  assert bool(jnp.isnan(logits).all())

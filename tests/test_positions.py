@@ -95,10 +95,28 @@ def test_rope_scalings_follow_their_definitions():
   np.testing.assert_allclose(theta[rotations <= 1], np.asarray(plain)[rotations <= 1] / s,
                              rtol=1e-6)
   assert yarn.magnitude() == pytest.approx(0.1 * math.log(s) + 1)
-  # The temperature is applied once: q and k each carry sqrt(1/t), the logit 1/t.
-  q = jnp.ones((1, 1, 1, d))
-  score = lambda r: float(jnp.sum(r.rotate(q, jnp.array([0])) ** 2))
-  assert score(yarn) / score(RoPE()) == pytest.approx((0.1 * math.log(s) + 1) ** 2, rel=1e-5)
+  # rotate is a pure rotation under every scaling; the temperature lives in magnitude().
+  x = jax.random.normal(jax.random.key(1), (1, 5, 2, d))
+  np.testing.assert_allclose(jnp.linalg.norm(yarn.rotate(x, jnp.arange(5)), axis=-1),
+                             jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_yarn_temperature_is_applied_once_in_softmax_attention():
+  """q and k each carry sqrt(1/t) = 0.1 ln s + 1, so the logits carry 1/t."""
+  from flax import nnx
+  from research.attention import MHA
+  from tests.conftest import tiny_model_config
+
+  s = 4.0
+  config = tiny_model_config()
+  plain = MHA(config, RoPE(), rngs=nnx.Rngs(0))
+  yarn = MHA(config, RoPE(scaling="yarn", factor=s, original_length=16), rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (1, 1, 32))
+  position = jnp.array([0])  # no rotation at position 0: only the temperature acts
+  (q_plain, k_plain, _), (q_yarn, k_yarn, _) = plain._project(x, position), yarn._project(x, position)
+  logit = lambda q, k: float(jnp.sum(q * k))
+  assert logit(q_yarn, k_yarn) / logit(q_plain, k_plain) == pytest.approx(
+      (0.1 * math.log(s) + 1) ** 2, rel=1e-5)
 
 
 def test_registry_names_and_kinds():

@@ -84,6 +84,8 @@ def test_sigkill_and_restart_gives_bit_identical_parameters(tmp_path):
   assert "resuming" in result.stdout
   for got, want in zip(_final_params(resumed), _final_params(reference), strict=True):
     np.testing.assert_array_equal(got, want)
+  # Steps logged between the last checkpoint and the kill are logged once, not twice.
+  assert _losses(resumed) == _losses(reference)
 
 
 def _free_port():
@@ -128,6 +130,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_checkpoints_finite(tmp_path):
     (dict(mesh=dict(shape=(4, 2, 1)), train=dict(batch_size=12)), "multiple of the data-parallel size"),
     (dict(model=dict(vocab_size=100)), "model.vocab_size=100 is smaller than the 258 tokens"),
     (dict(train=dict(warmup_steps=8)), r"warmup_steps=8 must be in \[0, num_steps=8\)"),
+    (dict(train=dict(eval_every=3, log_every=2)), "eval_every=3 must be a multiple of train.log_every=2"),
+    (dict(eval=dict(lengths=(16,), num_tokens=16)), "eval.num_tokens=16 must be >= train.seq_len=32"),
 ])
 def test_bad_configs_fail_before_training_and_write_nothing(overrides, message, tmp_path):
   config = tiny_config.get_config()

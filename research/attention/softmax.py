@@ -43,6 +43,11 @@ class SoftmaxAttention(base.Mixer):
     if backend == "cudnn" and jax.default_backend() != "gpu":
       raise ValueError(f"attention_backend 'cudnn' needs a GPU, but JAX runs on "
                        f"{jax.default_backend()!r}; use 'xla' or 'blockwise'")
+    if backend == "cudnn" and model_config.compute_dtype not in ("bfloat16", "float16"):
+      raise ValueError(f"attention_backend 'cudnn' needs compute_dtype bfloat16 or float16, got "
+                       f"{model_config.compute_dtype!r}")
+    if model_config.block_size < 1:
+      raise ValueError(f"model.block_size must be >= 1, got {model_config.block_size}")
 
   def __init__(self, model_config, position, *, rngs):
     d, n = model_config.d_model, model_config.num_heads
@@ -63,7 +68,9 @@ class SoftmaxAttention(base.Mixer):
   def _project(self, x_BxLxD, positions_L):
     q, k, v = self.query(x_BxLxD), self.key(x_BxLxD), self.value(x_BxLxD)
     if self.position.kind == positions_lib.QK:
-      q, k = self.position.rotate(q, positions_L), self.position.rotate(k, positions_L)
+      # YaRN's temperature sqrt(1/t) on q and k: the logits are scaled by 1/t, once.
+      m = self.position.magnitude()
+      q, k = self.position.rotate(q, positions_L) * m, self.position.rotate(k, positions_L) * m
     return q, k, v
 
   def _slopes(self):
@@ -97,8 +104,12 @@ class SoftmaxAttention(base.Mixer):
     cache = {"key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(self.dtype), index, 1),
              "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(self.dtype), index, 1)}
     # Slots after index + T are still empty; the causal mask hides them like the future.
-    k_positions_S = jnp.arange(cache["key"].shape[1])
+    capacity = cache["key"].shape[1]
+    k_positions_S = jnp.arange(capacity)
     y = self._dot_product(q, cache["key"], cache["value"], positions_T, k_positions_S, False, "xla")
+    # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
+    # return NaN rather than silently wrong logits (init_cache with a larger max_length).
+    y = jnp.where(index + x_BxTxD.shape[1] <= capacity, y, jnp.nan)
     return self.out(y), cache
 
   def mixing_flops_per_token(self, context_length):

@@ -83,8 +83,7 @@ def minimal_tokens_per_second(config):
 def run(args):
   lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
   num_steps = 4 if args.quick else 40
-  peak = flops.peak_flops()
-  peak = peak * jax.device_count() if peak else flops.measure_matmul_flops()
+  peak = flops.total_peak_flops()
   rows = []
   for attention, position in QUICK_VARIANTS if args.quick else VARIANTS:
     for seq_len in lengths:

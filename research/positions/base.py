@@ -35,6 +35,10 @@ class PositionScheme:
     """Queries or keys with position applied (kind == QK)."""
     raise NotImplementedError
 
+  def magnitude(self):
+    """Factor on q and k in softmax attention (YaRN's temperature); 1 for most schemes."""
+    return 1.0
+
   def slopes(self, num_heads):
     """Per-head slope of a linear distance bias (kind == BIAS): bias = -slope * (i - j)."""
     raise NotImplementedError

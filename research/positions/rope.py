@@ -8,8 +8,9 @@ Scaling to longer contexts, s = rope_scaling_factor = L_target / L_train:
   ntk   NTK-aware: base -> base * s^(d / (d - 2)).
   yarn  YaRN (arXiv:2309.00071): NTK-by-parts, theta_i' = (1 - g) theta_i / s + g theta_i with the
         ramp g(r) = clip((r - alpha) / (beta - alpha), 0, 1), r = L_train / wavelength_i, alpha = 1,
-        beta = 32; plus the temperature sqrt(1/t) = 0.1 ln s + 1, applied once: q and k are each
-        multiplied by it, so the logits are scaled by 1/t.
+        beta = 32; plus the temperature sqrt(1/t) = 0.1 ln s + 1, applied once: softmax attention
+        multiplies q and k each by `magnitude()`, so the logits are scaled by 1/t. `rotate` is a
+        pure rotation (linear attention and retention have no softmax temperature).
 """
 
 import dataclasses
@@ -63,7 +64,7 @@ class RoPE(base.PositionScheme):
     return theta
 
   def magnitude(self):
-    """sqrt(1/t) of YaRN, 1 otherwise."""
+    """sqrt(1/t) of YaRN, 1 otherwise: softmax attention's q and k are each scaled by it."""
     if self.scaling == "yarn" and self.factor > 1:
       return 0.1 * math.log(self.factor) + 1.0
     return 1.0
@@ -74,8 +75,8 @@ class RoPE(base.PositionScheme):
     if self.scaling == "pi":
       positions = positions / self.factor
     angle_LxHalf = positions[:, None] * self.frequencies(head_dim)
-    cos = jnp.cos(angle_LxHalf)[:, None, :] * self.magnitude()
-    sin = jnp.sin(angle_LxHalf)[:, None, :] * self.magnitude()
+    cos = jnp.cos(angle_LxHalf)[:, None, :]
+    sin = jnp.sin(angle_LxHalf)[:, None, :]
     x = x_BxLxNxH.astype(jnp.float32)
     even, odd = x[..., 0::2], x[..., 1::2]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
