@@ -1,7 +1,9 @@
 """Length extrapolation: evaluate a trained run at every eval length and mode, without retraining.
 
 For each length in config.eval.lengths and mode in config.eval.modes, one row with loss,
-perplexity, accuracy and exact match (and the loss at each token position). RoPE runs get extra
+perplexity, accuracy and exact match, their 95% bootstrap intervals (research.evaluate), and the
+loss at each token position. Needle tasks get one row per depth in config.eval.depths as well,
+each with its `depth`; the row without a depth pools every depth's examples. RoPE runs get extra
 rows for each scaling in config.eval.rope_scalings (PI, NTK, YaRN; arXiv:2309.00071) with
 factor s = max(1, eval_length / train_length): the same weights, a different position scheme,
 evaluated with non-overlapping windows. Tasks have a single mode (exact answers).
@@ -50,11 +52,19 @@ def length_sweep(config, workdir, progress=functools.partial(print, flush=True))
         if scaling != "none" or not data.is_language_modeling(config):
           modes = ("nonoverlapping",)
         for mode in modes:
-          metrics = evaluate.evaluate(eval_step, params, data.eval_batches(config, length, mode),
-                                      mesh, config.eval.batch_size)
-          rows.append({"eval_length": length, "eval_mode": mode, "rope_scaling": scaling,
-                       **metrics})
-          progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<5} "
-                   f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
-                   f"acc {metrics['accuracy']:.3f}")
+          sums = {depth: evaluate.row_sums(
+                      eval_step, params, data.eval_batches(config, length, mode, depth=depth),
+                      mesh, config.eval.batch_size)
+                  for depth in data.eval_depths(config)}
+          if None not in sums:  # needle tasks: and one row of all depths together
+            sums[None] = evaluate.concatenate(list(sums.values()))
+          for depth, depth_sums in sums.items():
+            metrics = evaluate.metrics(depth_sums, config.eval.bootstrap_samples,
+                                       config.eval.bootstrap_seed)
+            rows.append({"eval_length": length, "eval_mode": mode, "rope_scaling": scaling,
+                         "depth": depth, **metrics})
+            at = "" if depth is None else f" depth {depth:<5}"
+            progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<5}{at} "
+                     f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
+                     f"acc {metrics['accuracy']:.3f}  exact {metrics['exact_match']:.3f}")
   return rows

@@ -2,7 +2,10 @@
 
 results.csv has one row per run x eval length x eval mode x RoPE scaling, with the columns
 run, attention, position, seed, train_length, eval_length, eval_mode, rope_scaling, loss,
-perplexity, accuracy, exact_match, tokens, and one column per swept field (its dotted key).
+perplexity, accuracy, exact_match, tokens and sequences (scored windows or examples), the 95%
+bootstrap interval of each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...),
+and one column per swept field (its dotted key). Needle tasks add a row per needle depth, with
+its `depth`; their row with an empty depth pools every depth.
 """
 
 import collections
@@ -16,7 +19,9 @@ import ml_collections
 from research import data
 from research import sweep as sweep_lib
 
-METRIC_COLUMNS = ("loss", "perplexity", "accuracy", "exact_match", "tokens")
+INTERVAL_METRICS = ("loss", "perplexity", "accuracy", "exact_match")
+CI_COLUMNS = tuple(f"{m}_ci_{end}" for m in INTERVAL_METRICS for end in ("low", "high"))
+METRIC_COLUMNS = INTERVAL_METRICS + ("tokens", "sequences") + CI_COLUMNS
 
 
 def _attention_label(config):
@@ -39,7 +44,9 @@ def collect(workdir, members):
              "position": config.model.position, "seed": config.train.seed,
              "train_length": config.train.seq_len, "eval_length": evaluation["eval_length"],
              "eval_mode": evaluation["eval_mode"], "rope_scaling": evaluation["rope_scaling"]}
-      row.update({k: evaluation[k] for k in METRIC_COLUMNS})
+      if evaluation.get("depth") is not None:
+        row["depth"] = evaluation["depth"]
+      row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
       row.update({k: _cell(v) for k, v in member.overrides.items()})
       rows.append(row)
   write_csv(os.path.join(workdir, "results.csv"), rows)
@@ -62,10 +69,13 @@ def read_csv(path):
   with open(path, newline="") as f:
     rows = list(csv.DictReader(f))
   for row in rows:
-    for key in ("eval_length", "train_length", "seed", "tokens"):
-      row[key] = int(row[key])
-    for key in ("loss", "perplexity", "accuracy", "exact_match"):
-      row[key] = float(row[key])
+    for key in ("eval_length", "train_length", "seed", "tokens", "sequences"):
+      if key in row:
+        row[key] = int(row[key])
+    for key in INTERVAL_METRICS + CI_COLUMNS:
+      if key in row:
+        row[key] = float(row[key])
+    row["depth"] = float(row["depth"]) if row.get("depth") else None
   return rows
 
 
@@ -99,14 +109,55 @@ def _mean_std(values):
   return mean, std
 
 
-def write_summary(path, rows, not_done, metric, train_length):
+def _summary_cell(values, lows, highs, best):
+  """'mean +/- std (best) [low, high]': over seeds, and the seeds' mean 95% interval."""
+  if not values:
+    return ""
+  mean, std = _mean_std(values)
+  text = f"{mean:.3f} +/- {std:.3f} ({best(values):.3f})" if len(values) > 1 else f"{mean:.3f}"
+  if lows:
+    text += f" [{_mean_std(lows)[0]:.3f}, {_mean_std(highs)[0]:.3f}]"
+  return text
+
+
+def _intervals(rows, metric):
+  """aggregate() of the metric's interval bounds, empty tables for results without them."""
+  if not rows or f"{metric}_ci_low" not in rows[0]:
+    return {}, {}
+  return aggregate(rows, f"{metric}_ci_low"), aggregate(rows, f"{metric}_ci_high")
+
+
+def _depth_lines(rows, metric, best):
+  """A table of the metric at every needle depth, one line per variant and evaluation length."""
+  keys = swept_keys(rows)
+  cells = collections.defaultdict(lambda: collections.defaultdict(list))
+  for row in rows:
+    cells[(variant_label(row, keys), row["eval_length"])][row["depth"]].append(row)
+  depths = sorted({depth for per_depth in cells.values() for depth in per_depth})
+  lines = [f"## {metric} by needle depth", "",
+           "Depth 0: the needle starts the text; 1: it ends right before the question.", "",
+           "| variant | length | " + " | ".join(f"{d:g}" for d in depths) + " |",
+           "|---" * (len(depths) + 2) + "|"]
+  for (variant, length), per_depth in sorted(cells.items()):
+    column = lambda depth, key: [row[key] for row in per_depth.get(depth, ()) if key in row]
+    lines.append(f"| {variant} | {length} | " + " | ".join(
+        _summary_cell(column(d, metric), column(d, f"{metric}_ci_low"),
+                      column(d, f"{metric}_ci_high"), best) for d in depths) + " |")
+  return lines + [""]
+
+
+def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
+  """summary.md: `metric` by evaluation length per variant (the pooled rows), by needle depth
+  (depth_rows, when there are some), and the runs without results."""
   best = min if metric == "perplexity" else max
   table = aggregate(rows, metric)
+  lows, highs = _intervals(rows, metric)
   all_lengths = {length for per in table.values() for length in per}
   # The ALiBi paper's comparison point, 8x the training length, else the longest one.
   ratio_length = 8 * train_length if 8 * train_length in all_lengths else max(all_lengths, default=0)
   lines = [f"# Summary: {metric} by evaluation length", "",
-           f"Trained at length {train_length}. Cells: mean +/- std over seeds (best seed). "
+           f"Trained at length {train_length}. Cells: mean +/- std over seeds (best seed) "
+           "[95% bootstrap interval over the evaluated windows or examples, averaged over seeds]. "
            f"`ratio` is the mean at length {ratio_length} over the mean at the training length.",
            ""]
   for mode in sorted({mode for mode, _ in table}):
@@ -116,21 +167,17 @@ def write_summary(path, rows, not_done, metric, train_length):
     for (m, variant), per_length in sorted(table.items()):
       if m != mode:
         continue
-      cells = []
-      for length in lengths:
-        values = per_length.get(length)
-        if not values:
-          cells.append("")
-          continue
-        mean, std = _mean_std(values)
-        cells.append(f"{mean:.3f} +/- {std:.3f} ({best(values):.3f})" if len(values) > 1
-                     else f"{mean:.3f}")
+      cells = [_summary_cell(per_length.get(length), lows.get((m, variant), {}).get(length),
+                             highs.get((m, variant), {}).get(length), best)
+               for length in lengths]
       ratio = ""
       if (per_length.get(train_length) and per_length.get(ratio_length)
           and _mean_std(per_length[train_length])[0]):
         ratio = (f"{_mean_std(per_length[ratio_length])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
       lines.append(f"| {variant} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
+  if depth_rows:
+    lines += _depth_lines(depth_rows, metric, best)
   if not_done:
     lines += ["## Runs without results", "", "| run | state | reason |", "|---|---|---|"]
     for name, status in not_done:
@@ -153,11 +200,24 @@ def redraw(workdir):
   not_done = [(name, sweep_lib.status(workdir, name)) for name in record["members"]]
   not_done = [(name, status) for name, status in not_done if status["state"] != "done"]
   results_path = os.path.join(workdir, "results.csv")
-  rows = read_csv(results_path) if os.path.exists(results_path) else []
+  all_rows = read_csv(results_path) if os.path.exists(results_path) else []
+  rows = [row for row in all_rows if row["depth"] is None]  # one row per run x length x mode
+  depth_rows = [row for row in all_rows if row["depth"] is not None]
   config = ml_collections.ConfigDict(record["config"])
-  metric = "perplexity" if data.is_language_modeling(config) else "accuracy"
+  metric = ("perplexity" if data.is_language_modeling(config) else
+            "exact_match" if config.data.name in data.NEEDLE_NAMES else "accuracy")
   train_length = config.train.seq_len
-  write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length)
+  write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length,
+                depth_rows)
+  if depth_rows:
+    plots.needle_heatmap_figure(depth_rows, os.path.join(workdir, "needle_heatmap.png"), metric)
+    plots.lost_in_the_middle_figure(depth_rows, os.path.join(workdir, "lost_in_the_middle.png"),
+                                    metric)
+  keys = swept_keys(rows)
+  if "data.name" in keys and not data.is_language_modeling(config):
+    plots.task_panels_figure(rows, os.path.join(workdir, "tasks.png"), metric)
+  if "model.d_model" in keys:
+    plots.width_figure(rows, os.path.join(workdir, "width.png"), metric)
   if rows:
     plain = [row for row in rows if row["rope_scaling"] == "none"]
     plots.extrapolation_figure(plain, os.path.join(workdir, "extrapolation.png"), metric,
