@@ -295,6 +295,21 @@ def test_train_batch_is_a_pure_function_partitioned_over_processes(name, data_di
     data.train_batch(config, 3, 0, 3)
 
 
+@pytest.mark.parametrize("name", ["copy", "passkey"])
+def test_train_batches_are_the_prepared_examples(name, data_dir):
+  """Training batches gather from the example arrays: the same rows as the TFDS split."""
+  config = make_config(name, data_dir, **(NEEDLE if name == "passkey" else {}))
+  batch = data.train_batch(config, 7)
+  dataset = catalog.resolve(config)
+  examples = storage.source(dataset, storage.data_dir(config), "train")
+  chosen = np.random.default_rng((config.train.seed, 7)).integers(
+      0, len(examples), config.train.batch_size)
+  for row, index in enumerate(chosen.tolist()):
+    for key in batch:
+      np.testing.assert_array_equal(batch[key][row], examples[index][key])
+      assert batch[key].dtype == examples[index][key].dtype
+
+
 _SUBPROCESS = """
 import ast, sys
 import numpy as np

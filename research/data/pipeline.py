@@ -65,8 +65,11 @@ def train_batch(config, step, process_index=0, process_count=1):
   rows = slice(process_index * local, (process_index + 1) * local)
   rng = np.random.default_rng((config.train.seed, step))
   if dataset.text_feature is None:
-    examples = storage.source(dataset, data_dir, "train")
-    return _stack(examples.__getitems__(rng.integers(0, len(examples), batch_size)[rows].tolist()))
+    tokens, mask = storage.example_arrays(dataset, data_dir, "train")
+    chosen = rng.integers(0, len(tokens), batch_size)[rows]
+    sequences = tokens[chosen].astype(np.int32)
+    return {"inputs": sequences[:, :-1], "targets": sequences[:, 1:],
+            "loss_mask": mask[chosen].astype(np.float32)}
   stream = storage.token_stream(dataset, data_dir, "train")
   starts = rng.integers(0, len(stream) - seq_len, batch_size)[rows]
   windows = stream[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
