@@ -41,7 +41,7 @@ def get_config(preset="quick"):
   config.data.update(dict(name=QUICK_TASKS[0], task_vocab_size=alphabet,
                           train_min_length=TRAIN_SIZES[0], train_max_length=TRAIN_SIZES[1],
                           num_train_examples=20_000 if quick else 100_000,
-                          num_eval_examples=64 if quick else 256))
+                          num_eval_examples=128 if quick else 256))
   config.model.update(dict(num_layers=2 if quick else 5, d_model=64 if quick else 256))
   seq_len, lengths = _lengths(config.data.name, preset)
   config.train.update(dict(seq_len=seq_len, batch_size=32 if quick else 128,

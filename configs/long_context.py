@@ -10,7 +10,7 @@ extrapolation.png / results.csv rows that pool every depth.
 
   python -m experiments.run --config=configs/long_context.py:quick --workdir=runs/needles
       4 tasks x 2 variants (MHA with RoPE, with ALiBi), 1 seed: training at 256 bytes, evaluation
-      at 256, 512 and 1024 bytes x 5 depths x 32 examples. Multi-key has 1 distractor and
+      at 256, 512 and 1024 bytes x 5 depths x 64 examples. Multi-key has 1 distractor and
       multi-value 2 values so that they fit in 256 bytes. Target: 25 minutes on 2 CPU cores
       (not measured yet).
   python -m experiments.run --config=configs/long_context.py:full --workdir=runs/needles
@@ -34,7 +34,7 @@ def get_config(preset="quick"):
   config.data.update(dict(name="passkey", needle_value_digits=5,
                           num_distractors=1 if quick else 3, num_values=2 if quick else 4,
                           num_train_examples=20_000 if quick else 50_000,
-                          num_eval_examples=32 if quick else 64))
+                          num_eval_examples=64 if quick else 128))
   config.model.update(dict(num_layers=2 if quick else 4, d_model=128 if quick else 256))
   seq_len = 256 if quick else 1024
   config.train.update(dict(seq_len=seq_len, batch_size=16 if quick else 32,
