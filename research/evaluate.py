@@ -12,6 +12,8 @@ perplexity = exp(loss), accuracy = sum correct / sum tokens, exact_match = rows 
 rows.
 """
 
+from typing import Callable, Iterable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,7 +66,8 @@ def global_batch(batch, mesh):
           for k, v in batch.items()}
 
 
-def row_sums(eval_step, params, batches, mesh, batch_size, max_batches=None) -> dict:
+def row_sums(eval_step: Callable, params, batches: Iterable[dict], mesh: jax.sharding.Mesh,
+             batch_size: int, max_batches: int | None = None) -> dict:
   """{"rows": {column: one value per row}, "nll_by_position": [L], "tokens_by_position": [L]}:
   the sums of every row with scored tokens (padding rows dropped), and per-position sums."""
   parts = []
@@ -85,13 +88,18 @@ def concatenate(parts: list[dict]) -> dict:
           **{k: sum(p[k] for p in parts) for k in ("nll_by_position", "tokens_by_position")}}
 
 
+def _totals(rows):
+  """Column sums (as length-1 arrays, the shape STATISTICS take) over rows with scored tokens."""
+  if not rows["tokens"].sum():
+    raise ValueError("evaluation saw no scored tokens; check eval.num_tokens and the lengths")
+  return {k: v.sum(keepdims=True) for k, v in rows.items()}
+
+
 def metrics(sums: dict, bootstrap_samples: int, bootstrap_seed: int) -> dict:
   """loss, perplexity, accuracy, exact_match and their `<name>_ci_low` / `<name>_ci_high`
   (95% bootstrap over rows), tokens and sequences scored, and the loss at each position."""
   rows = dict(sums["rows"], sequences=np.ones_like(sums["rows"]["tokens"]))
-  if not len(rows["tokens"]):
-    raise ValueError("evaluation saw no scored tokens; check eval.num_tokens and the lengths")
-  totals = {k: v.sum(keepdims=True) for k, v in rows.items()}
+  totals = _totals(rows)
   result = {name: float(statistic(totals)[0]) for name, statistic in STATISTICS.items()}
   result.update(tokens=int(totals["tokens"][0]), sequences=int(totals["sequences"][0]))
   for name, (low, high) in bootstrap.intervals(rows, STATISTICS, bootstrap_samples,
@@ -108,6 +116,4 @@ def validation_loss(eval_step, params, config, mesh):
   batches = data.eval_batches(config, config.train.seq_len, "nonoverlapping")
   rows = row_sums(eval_step, params, batches, mesh, config.eval.batch_size,
                   config.train.eval_batches)["rows"]
-  if not rows["tokens"].sum():
-    raise ValueError("evaluation saw no scored tokens; check eval.num_tokens and the lengths")
-  return float(rows["nll"].sum() / rows["tokens"].sum())
+  return float(STATISTICS["loss"](_totals(rows))[0])

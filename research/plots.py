@@ -177,7 +177,7 @@ def _labeller(rows, leave_out=()):
   return (lambda row: report.variant_label(row, keys)) if keys else (lambda row: "")
 
 
-def needle_heatmap_figure(rows, path, metric="exact_match"):
+def needle_heatmap_figure(rows: list[dict], path: str, metric: str = "exact_match") -> None:
   """Per variant, the mean over seeds of `metric` at every evaluation length x needle depth."""
   label = _labeller(rows)
   cells = collections.defaultdict(list)
@@ -206,7 +206,7 @@ def needle_heatmap_figure(rows, path, metric="exact_match"):
   plt.close(fig)
 
 
-def lost_in_the_middle_figure(rows, path, metric="exact_match"):
+def lost_in_the_middle_figure(rows: list[dict], path: str, metric: str = "exact_match") -> None:
   """Per variant, `metric` against needle depth, one line per evaluation length."""
   _panel_figure(rows, path, metric, x_of=lambda row: row["depth"],
                 line_of=lambda row: row["eval_length"], panel_of=_labeller(rows),
@@ -214,7 +214,7 @@ def lost_in_the_middle_figure(rows, path, metric="exact_match"):
                 line_name=lambda length: f"length {length}")
 
 
-def task_panels_figure(rows, path, metric):
+def task_panels_figure(rows: list[dict], path: str, metric: str) -> None:
   """Per task (data.name), `metric` against evaluation length, one line per variant."""
   _panel_figure(rows, path, metric, x_of=lambda row: row["eval_length"],
                 line_of=_labeller(rows, leave_out=("data.name", "train.seq_len", "eval.lengths")),
@@ -222,7 +222,7 @@ def task_panels_figure(rows, path, metric):
                 x_log=True)
 
 
-def width_figure(rows, path, metric):
+def width_figure(rows: list[dict], path: str, metric: str) -> None:
   """`metric` against model.d_model, one line per mixer, one panel per other swept setting."""
   mixer_keys = ("model.attention", "model.position", "model.layer_pattern")
   _panel_figure(rows, path, metric, x_of=lambda row: int(row["model.d_model"]),

@@ -22,8 +22,8 @@ def test_bootstrap_matches_the_normal_approximation_of_a_proportion():
     p = rows["hits"].mean()
     normal_width = 2 * 1.96 * math.sqrt(p * (1 - p) / num_rows)
     assert low < p < high and abs((high - low) / normal_width - 1) < 0.15, (num_rows, low, high)
-  assert bootstrap.intervals(rows, rate, 500, seed=3) == bootstrap.intervals(rows, rate, 500, seed=3)
-  assert bootstrap.intervals(rows, rate, 500, seed=3) != bootstrap.intervals(rows, rate, 500, seed=4)
+  seeded = lambda seed: bootstrap.intervals(rows, rate, 500, seed=seed)
+  assert seeded(3) == seeded(3) != seeded(4)
 
 
 def test_eval_step_sums_per_row_and_intervals_cover_the_metrics(model_config):

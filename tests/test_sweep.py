@@ -75,7 +75,8 @@ def test_results_csv_is_tidy_with_swept_fields(finished_sweep):
   assert required <= set(rows[0]) and "depth" not in rows[0]
   for row in rows:
     for metric in report.INTERVAL_METRICS:
-      assert float(row[f"{metric}_ci_low"]) <= float(row[metric]) <= float(row[f"{metric}_ci_high"])
+      low, high = float(row[f"{metric}_ci_low"]), float(row[f"{metric}_ci_high"])
+      assert low <= float(row[metric]) <= high
   assert sorted((r["eval_length"], r["eval_mode"]) for r in rows) == [
       ("32", "nonoverlapping"), ("32", "sliding"), ("64", "nonoverlapping"), ("64", "sliding")]
   for name in ("extrapolation.png", "loss_by_position.png", "summary.md"):
@@ -147,7 +148,8 @@ def test_mqar_sweeps_every_mixer_at_several_lengths_and_pair_counts(preset):
   assert {c.model.attention for c in members} == set(attention.REGISTRY)
   for mixer in attention.REGISTRY:
     mine = [c for c in members if c.model.attention == mixer]
-    assert len({c.train.seq_len for c in mine}) >= 2 and len({c.data.num_kv_pairs for c in mine}) >= 2
+    assert len({c.train.seq_len for c in mine}) >= 2
+    assert len({c.data.num_kv_pairs for c in mine}) >= 2
     assert len({c.model.d_model for c in mine}) >= 2
 
 
