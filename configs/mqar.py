@@ -32,6 +32,6 @@ def get_sweep(preset="quick"):
   widths = (64, 128) if preset == "quick" else (64, 128, 256, 512)
   lengths = (64, 128) if preset == "quick" else (64, 128, 256, 512)
   return [{"model.attention": attention, "model.position": position, "model.d_model": width,
-           "train.seq_len": length, "model.rope_original_length": length,
+           "train.seq_len": length,
            "data.num_kv_pairs": length // 8, "eval.lengths": (length,)}
           for attention, position in MIXERS for width in widths for length in lengths]

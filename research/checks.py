@@ -6,6 +6,7 @@ import os
 
 from research import data
 from research import model as model_lib
+from research import positions
 from research import sharding
 
 # Fields that may change when a run is resumed (they do not change what is being trained;
@@ -18,6 +19,10 @@ RESUMABLE_FIELDS = ("train.log_every", "train.checkpoint_every",
 def validate_config(config, num_devices, process_count=1):
   """Raise ValueError naming what is wrong and what would be valid. Returns the mesh shape."""
   model_lib.validate(config.model)
+  model_lib.validate_lengths(config.model, config.train.seq_len, config.eval.lengths)
+  unknown = [s for s in config.eval.rope_scalings if s not in positions.SCALINGS]
+  if unknown:
+    raise ValueError(f"unknown eval.rope_scalings {unknown}; valid: {', '.join(positions.SCALINGS)}")
   data.validate(config)
   needed = data.vocab_size(config)
   if config.model.vocab_size < needed:

@@ -1,10 +1,11 @@
 """Length extrapolation: evaluate a trained run at every eval length and mode, without retraining.
 
 For each length in config.eval.lengths and mode in config.eval.modes, one row with loss,
-perplexity, accuracy and exact match (and the loss at each token position). RoPE runs get extra
-rows for each scaling in config.eval.rope_scalings (PI, NTK, YaRN; arXiv:2309.00071) with
-factor s = max(1, eval_length / train_length): the same weights, a different position scheme,
-evaluated with non-overlapping windows. Tasks have a single mode (exact answers).
+perplexity, accuracy and exact match (and the loss at each token position). Runs with a rotary
+scheme (rope, xpos, prope) get extra rows for each scaling in config.eval.rope_scalings (PI,
+static / dynamic NTK, YaRN; research.positions.rope) at s = max(1, eval_length / train_length):
+the same weights, a different scaling, evaluated with non-overlapping windows. Tasks have a
+single mode (exact answers).
 """
 
 import copy
@@ -16,20 +17,21 @@ from flax import nnx
 from research import data
 from research import evaluate
 from research import model as model_lib
+from research import positions
 from research import sharding
 from research import train
+from research.positions import rope
 
 
 def _variants(config):
   """(rope_scaling label, model config) pairs to evaluate, as functions of the eval length."""
   yield "none", lambda length: config.model
-  if config.model.position == "rope":
+  if positions.rotary(config.model.position):
+    key = positions.REGISTRY.settings_key(config.model.position)
     for scaling in config.eval.rope_scalings:
       def scaled(length, scaling=scaling):
         model_config = copy.deepcopy(config.model)
-        model_config.rope_scaling = scaling
-        model_config.rope_scaling_factor = max(1.0, length / config.train.seq_len)
-        model_config.rope_original_length = config.train.seq_len
+        model_config[key].update(rope.scaling_for_length(scaling, length, config.train.seq_len))
         return model_config
       yield scaling, scaled
 
@@ -54,7 +56,7 @@ def length_sweep(config, workdir, progress=functools.partial(print, flush=True))
                                       mesh, config.eval.batch_size)
           rows.append({"eval_length": length, "eval_mode": mode, "rope_scaling": scaling,
                        **metrics})
-          progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<5} "
+          progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11} "
                    f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
                    f"acc {metrics['accuracy']:.3f}")
   return rows

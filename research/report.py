@@ -75,7 +75,7 @@ BARE_KEYS = ("model.attention", "model.position", "data.name")  # values name th
 def variant_label(row, swept_keys):
   """'mha / alibi' (swept values, seed left out), plus the RoPE scaling used at evaluation."""
   parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
-           for k in swept_keys if k != "train.seed" and k in row]
+           for k in swept_keys if k != "train.seed" and row.get(k) not in (None, "")]
   label = " / ".join(parts) or row["run"]
   return label if row["rope_scaling"] == "none" else f"{label} +{row['rope_scaling']}"
 

@@ -27,6 +27,12 @@ RULES = {
     "state": None,
     "conv": None,
     "ssm_proj": None,
+    # Position schemes' parameters are small: replicated.
+    "max_positions": None,
+    "position_embed": None,
+    "relative_buckets": None,
+    "position_heads": None,
+    "fire_hidden": None,
 }
 
 

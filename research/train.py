@@ -29,10 +29,6 @@ from research import model as model_lib
 from research import sharding
 from research.metrics import MetricWriter
 
-# Parameters without weight decay: norms and biases (vectors) and the SSM's A_log and D.
-NO_DECAY_NAMES = ("A_log", "D")
-
-
 class NonFiniteLossError(RuntimeError):
   pass
 
@@ -50,14 +46,26 @@ def make_optimizer(config):
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
       decay_steps=t.num_steps, end_value=t.learning_rate * t.end_learning_rate_fraction)
 
-  def decay_mask(params):  # params: a tree of nnx Variables (the loop) or of arrays (nnx.Optimizer)
-    def decays(path, leaf):
-      name = next((k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str)), "")
-      is_variable = isinstance(leaf, nnx.Variable)
-      decay = jnp.ndim(leaf.value if is_variable else leaf) >= 2 and name not in NO_DECAY_NAMES
-      return leaf.replace(decay) if is_variable else decay
+  # Each parameter's own `weight_decay` metadata, declared where it is created (research.nn),
+  # read once from the abstract model; the mask looks parameters up by their path, so it serves
+  # trees of Variables (this loop) and of raw arrays (nnx.Optimizer's update) alike.
+  declared = {}
+  abstract = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
+  for path, variable in jax.tree_util.tree_flatten_with_path(
+      nnx.state(abstract, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    decay = variable.get_metadata().get("weight_decay")
+    if decay is None:
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} does not declare weight_decay; "
+                       f"create it with research.nn.param / nn.dense, or pass weight_decay=...")
+    declared[jax.tree_util.keystr(path)] = decay
 
-    return jax.tree.map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  def decay_mask(params):
+    def decays(path, leaf):
+      decay = declared[jax.tree_util.keystr(path)]
+      return leaf.replace(decay) if isinstance(leaf, nnx.Variable) else decay
+
+    return jax.tree_util.tree_map_with_path(decays, params,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   optimizer = optax.chain(
       optax.clip_by_global_norm(t.grad_clip_norm),
@@ -127,11 +135,17 @@ def train_and_evaluate(config, workdir):
 
   # ---- 3. The step: gradient accumulation over micro-batches, then one optimizer update.
   def loss_sum(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    logits = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"))
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return (nll * batch["loss_mask"]).sum()
 
   def train_step(state, batch):
+    # Randomized positions (model.randomize_max_length) are drawn for the whole batch, a pure
+    # function of (seed, step), before it is split into micro-batches; else 0..L-1 (the default).
+    key = jax.random.fold_in(jax.random.key(t.seed), state["step"])
+    positions = nnx.merge(graphdef, state["params"]).training_positions(key, *batch["inputs"].shape)
+    if positions.shape[0] > 1:
+      batch = dict(batch, positions=positions)
     # Strided micro-batches (rows i, i + k, ...) keep every device's rows on that device.
     micro = jax.tree.map(
         lambda x: x.reshape(-1, t.grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)

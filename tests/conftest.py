@@ -20,12 +20,21 @@ from configs import base  # noqa: E402
 
 
 def tiny_model_config(**overrides):
-  """A model small enough to compile in about a second, with several blocks and chunks."""
+  """A model small enough to compile in about a second, with several blocks and chunks.
+
+  A dict value updates that variant's settings: tiny_model_config(rope=dict(scaling="yarn")).
+  """
   config = base.get_config().model
   config.update(dict(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_ratio=2,
-                     vocab_size=61, block_size=8, linear_chunk_size=8, ssm_chunk_size=8,
-                     ssm_state_size=4, rope_original_length=16))
-  config.update(overrides)
+                     vocab_size=61))
+  settings = {"softmax": dict(block_size=8), "linear": dict(chunk_size=8),
+              "mamba": dict(chunk_size=8, state_size=4), "learned": dict(max_length=64)}
+  settings.update({key: dict(original_length=16) for key in ("rope", "xpos", "prope")})
+  for key, values in list(settings.items()) + list(overrides.items()):
+    if isinstance(values, dict):
+      config[key].update(values)
+    else:
+      config[key] = values
   return config
 
 

@@ -112,10 +112,11 @@ def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(
   assert (tmp_path / "results.csv").exists() and (tmp_path / "extrapolation.png").exists()
 
 
-@pytest.mark.parametrize("name,preset", [("lm_extrapolation", "quick"), ("lm_extrapolation", "full"),
-                                         ("tasks_extrapolation", "quick"),
-                                         ("tasks_extrapolation", "full"), ("mqar", "quick"),
-                                         ("mqar", "full")])
+EXPERIMENTS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "configs"))
+                     if name.endswith(".py") and name not in ("base.py", "__init__.py"))
+
+
+@pytest.mark.parametrize("name,preset", [(n, p) for n in EXPERIMENTS for p in ("quick", "full")])
 def test_experiment_configs_expand_into_valid_sweeps(name, preset):
   """Every shipped sweep validates before any work: names, fields, compatible pairs."""
   module = sweep.load_module(os.path.join(ROOT, "configs", f"{name}.py"))

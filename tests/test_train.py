@@ -132,6 +132,14 @@ def test_non_finite_loss_stops_the_run_and_keeps_checkpoints_finite(tmp_path):
     (dict(train=dict(warmup_steps=8)), r"warmup_steps=8 must be in \[0, num_steps=8\)"),
     (dict(train=dict(eval_every=3, log_every=2)), "eval_every=3 must be a multiple of train.log_every=2"),
     (dict(eval=dict(lengths=(16,), num_tokens=16)), "eval.num_tokens=16 must be >= train.seq_len=32"),
+    (dict(model=dict(position="learned", learned=dict(max_length=40))),
+     "the longest of eval.lengths = 64 exceeds the 40 positions of the 'learned' table"),
+    (dict(model=dict(randomize_max_length=16)), "model.randomize_max_length=16 must be >= train.seq_len=32"),
+    (dict(model=dict(attention="linear", position="t5")), "'linear' does not support position 't5'"),
+    (dict(model=dict(position="alibi", rope=dict(scaling="yarn"))), "needs a rotary position scheme"),
+    (dict(model=dict(position="t5", t5=dict(num_buckets=0))), "model.t5.num_buckets must be >= 2"),
+    (dict(model=dict(mlp_ratio=-1)), "model.mlp_ratio must be >= 0"),
+    (dict(eval=dict(rope_scalings=("ntk",))), r"unknown eval.rope_scalings \['ntk'\]; valid: none, pi, static_ntk"),
 ])
 def test_bad_configs_fail_before_training_and_write_nothing(overrides, message, tmp_path):
   config = tiny_config.get_config()
@@ -172,10 +180,17 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
                              rtol=1e-5)
 
 
-def test_no_weight_decay_on_norms_biases_and_ssm_decay_parameters():
-  model = model_lib.build_model(tiny_model_config(attention="mamba", position="none"),
-                                rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("attention,position,decayed_names", [
+    ("mamba", "none", {"kernel", "embedding", "conv_kernel"}),
+    ("mha", "fire", {"kernel", "embedding", "hidden_kernel", "out_kernel"}),
+    ("mha", "learned", {"kernel", "embedding", "table"}),
+    ("mha", "t5", {"kernel", "embedding"}),
+])
+def test_weight_decay_follows_each_parameters_declaration(attention, position, decayed_names):
+  """Norms, biases, Mamba's A_log and D, and the T5/KERPLE/FIRE bias parameters never decay."""
   config = tiny_config.get_config()
+  config.model = tiny_model_config(attention=attention, position=position)
+  model = model_lib.build_model(config.model, rngs=nnx.Rngs(0))
   config.train.update(dict(learning_rate=1.0, warmup_steps=0, weight_decay=1.0))
   optimizer, _ = train.make_optimizer(config)
   params = nnx.state(model)
@@ -183,8 +198,8 @@ def test_no_weight_decay_on_norms_biases_and_ssm_decay_parameters():
   updates, _ = optimizer.update(jax.tree.map(np.zeros_like, params), optimizer.init(params),
                                 params)
   decayed = {path[-1] for path, update in nnx.to_flat_state(updates)
-             if np.abs(np.asarray(update.value)).sum() > 0}
-  assert decayed == {"kernel", "embedding", "conv_kernel"}, decayed
+             if np.abs(np.asarray(update[...])).sum() > 0}
+  assert decayed == decayed_names, decayed
 
 
 def test_tensorboard_events_are_written_without_tensorflow(tmp_path):
