@@ -13,11 +13,11 @@ import functools
 import jax
 from flax import nnx
 
+from research import checkpoints
 from research import data
 from research import evaluate
 from research import model as model_lib
 from research import sharding
-from research import train
 
 
 def _variants(config):
@@ -39,7 +39,10 @@ def length_sweep(config, workdir, progress=functools.partial(print, flush=True))
   mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh.shape, jax.device_count()))
   rows = []
   with jax.set_mesh(mesh):
-    params = train.load_params(config, workdir, mesh)
+    abstract = nnx.state(nnx.eval_shape(
+        lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0))))
+    _, params = checkpoints.restore_params(
+        workdir, sharding.sharded_abstract(abstract, mesh), log=progress)
     for scaling, model_config_at in _variants(config):
       for length in config.eval.lengths:
         model_config = model_config_at(length)
