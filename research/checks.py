@@ -35,7 +35,7 @@ FIELD_RULES = (
 )
 
 
-def check_fields(config):
+def check_fields(config: ml_collections.ConfigDict):
   """Raise ValueError naming every train/eval field of FIELD_RULES out of its range."""
   values = config_fields.flatten(config)
   problems = [f"{field}={values[field]!r} must be {valid}"

@@ -5,6 +5,7 @@ import gzip
 import os
 import random
 import shutil
+import subprocess
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,6 +38,12 @@ def tiny_model_config(**overrides):
                      ssm_state_size=4, rope_original_length=16))
   config.update(overrides)
   return config
+
+
+def can_mount_in_a_namespace():
+  """Whether `unshare -rm` gives this process a mount namespace of its own (for tmpfs tests)."""
+  return bool(shutil.which("unshare")) and subprocess.run(
+      ["unshare", "-rm", "true"], capture_output=True).returncode == 0
 
 
 @pytest.fixture

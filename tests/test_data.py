@@ -223,7 +223,8 @@ def test_a_one_file_corpus_is_split_by_byte_ranges(data_dir, tmp_path, monkeypat
   data.prepare(config)
   dataset = catalog.resolve(config)
   assert [(f.split, f.start, f.end) for f in dataset.files] == [
-      ("train", 0, int(0.9 * len(text))), ("validation", int(0.9 * len(text)), int(0.95 * len(text))),
+      ("train", 0, int(0.9 * len(text))),
+      ("validation", int(0.9 * len(text)), int(0.95 * len(text))),
       ("test", int(0.95 * len(text)), len(text))]
   for f in dataset.files:
     (document,) = documents(storage.token_stream(dataset, storage.data_dir(config), f.split))
@@ -247,7 +248,8 @@ def test_gzip_files_are_read_as_text_and_binary_files_refused(data_dir, tmp_path
   (tmp_path / "mixed" / "weights.bin").write_bytes(bytes(range(256)) * 4)
   with gzip.open(tmp_path / "mixed" / "archive.tar.gz", "wb") as f:
     f.write(b"x" * 100 + b"\0" * 100)
-  with pytest.raises(ValueError, match="2 files are binary, not text: .*archive.tar.gz.*weights.bin"):
+  with pytest.raises(ValueError,
+                     match="2 files are binary, not text: .*archive.tar.gz.*weights.bin"):
     data.validate(lm_config(data_dir, tmp_path / "mixed"))
 
 

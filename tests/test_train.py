@@ -22,6 +22,7 @@ from research import model as model_lib
 from research import train
 from research import workdir_lock
 from tests import tiny_config
+from tests.conftest import can_mount_in_a_namespace
 from tests.conftest import tiny_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -290,12 +291,7 @@ _DISK_FAULTS = textwrap.dedent("""
     """)
 
 
-def _can_mount_in_a_namespace():
-  return shutil.which("unshare") and subprocess.run(
-      ["unshare", "-rm", "true"], capture_output=True).returncode == 0
-
-
-@pytest.mark.skipif(not _can_mount_in_a_namespace(), reason="needs unshare -rm (user namespaces)")
+@pytest.mark.skipif(not can_mount_in_a_namespace(), reason="needs unshare -rm (user namespaces)")
 def test_a_disk_that_turns_read_only_or_full_stops_the_run_within_seconds(tmp_path):
   (tmp_path / "disk").mkdir()
   env = dict(_env(8), DISK=str(tmp_path / "disk"), OUT=str(tmp_path), PYTHON=sys.executable,

@@ -49,7 +49,7 @@ def split_of(relpath):
   return "train" if bucket < 90 else "validation" if bucket < 95 else "test"
 
 
-def is_gzipped(path):
+def is_gzipped(path: str) -> bool:
   with open(path, "rb") as f:
     return f.read(len(GZIP_MAGIC)) == GZIP_MAGIC
 
@@ -58,7 +58,7 @@ def _open(path, gzipped):
   return gzip.open(path, "rb") if gzipped else open(path, "rb")
 
 
-def read(corpus_file):
+def read(corpus_file: CorpusFile) -> bytes:
   """The bytes of a CorpusFile."""
   with _open(corpus_file.path, corpus_file.gzipped) as f:
     f.seek(corpus_file.start)
