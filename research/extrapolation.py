@@ -6,20 +6,29 @@ scheme (rope, xpos, prope) get extra rows for each scaling in config.eval.rope_s
 static / dynamic NTK, YaRN; research.positions.rope) at s = max(1, eval_length / train_length):
 the same weights, a different scaling, evaluated with non-overlapping windows. Tasks have a
 single mode (exact answers).
+
+`evaluate_run` evaluates a run's newest readable checkpoint (research.checkpoints) at the
+settings that its RUN/eval.json has no row for yet and appends their rows (research.eval_results),
+holding the workdir's writer lock; it never retrains.
 """
 
 import copy
 import functools
+from typing import Callable
 
 import jax
+import ml_collections
 from flax import nnx
 
+from research import checkpoints
 from research import data
+from research import eval_results
 from research import evaluate
 from research import model as model_lib
 from research import positions
 from research import sharding
-from research import train
+from research import workdir_lock
+from research.data import validation
 from research.positions import rope
 
 
@@ -36,27 +45,54 @@ def _variants(config):
       yield scaling, scaled
 
 
-def length_sweep(config, workdir, progress=functools.partial(print, flush=True)):
-  """Rows of metrics for the run in `workdir` at each eval length x mode x RoPE scaling."""
-  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh.shape, jax.device_count()))
-  rows = []
-  with jax.set_mesh(mesh):
-    params = train.load_params(config, workdir, mesh)
-    for scaling, model_config_at in _variants(config):
-      for length in config.eval.lengths:
-        model_config = model_config_at(length)
-        graphdef = nnx.graphdef(nnx.eval_shape(
-            lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0))))
-        eval_step = evaluate.make_eval_step(graphdef)
-        modes = config.eval.modes
-        if scaling != "none" or not data.is_language_modeling(config):
-          modes = ("nonoverlapping",)
-        for mode in modes:
-          metrics = evaluate.evaluate(eval_step, params, data.eval_batches(config, length, mode),
-                                      mesh, config.eval.batch_size)
-          rows.append({"eval_length": length, "eval_mode": mode, "rope_scaling": scaling,
-                       **metrics})
-          progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11} "
-                   f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
-                   f"acc {metrics['accuracy']:.3f}")
+def _plan(config, step):
+  """(settings, model config at the length) of every evaluation `config` asks for."""
+  for scaling, model_config_at in _variants(config):
+    modes = config.eval.modes
+    if scaling != "none" or not data.is_language_modeling(config):
+      modes = ("nonoverlapping",)
+    for length in config.eval.lengths:
+      for mode in modes:
+        settings = {"step": step, "eval_length": length, "eval_mode": mode,
+                    "rope_scaling": scaling, "num_tokens": config.eval.num_tokens,
+                    "sliding_stride": validation.sliding_stride(config) if mode == "sliding" else 0}
+        yield settings, model_config_at(length)
+
+
+def _to_do(config, workdir, step):
+  done = {eval_results.key(row) for row in eval_results.read(workdir)}
+  return [(s, m) for s, m in _plan(config, step) if eval_results.key(s) not in done]
+
+
+def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
+                 progress: Callable[[str], None] = functools.partial(print, flush=True)
+                 ) -> list[dict]:
+  """Evaluate the run in `workdir` at every eval length x mode x RoPE scaling of `config` not in
+  its eval.json yet, from its newest readable checkpoint; appends and returns the new rows."""
+  with workdir_lock.hold(workdir):
+    saved_steps = checkpoints.steps(workdir)
+    if saved_steps and not _to_do(config, workdir, saved_steps[-1]):
+      return []
+    mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh.shape, jax.device_count()))
+    rows = []
+    with jax.set_mesh(mesh):
+      abstract = nnx.state(nnx.eval_shape(
+          lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0))))
+      step, params = checkpoints.restore_params(
+          workdir, sharding.sharded_abstract(abstract, mesh), log=progress)
+      eval_steps = {}  # one compiled step per (scaling, length)
+      for settings, model_config in _to_do(config, workdir, step):
+        length, mode, scaling = (settings[k] for k in ("eval_length", "eval_mode", "rope_scaling"))
+        if (scaling, length) not in eval_steps:
+          eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(nnx.eval_shape(
+              lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))))
+        metrics = evaluate.evaluate(eval_steps[scaling, length], params,
+                                    data.eval_batches(config, length, mode), mesh,
+                                    config.eval.batch_size)
+        row = {**settings, **metrics}
+        eval_results.append(workdir, [row])
+        rows.append(row)
+        progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11} "
+                 f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
+                 f"acc {metrics['accuracy']:.3f}  (step {step})")
   return rows

@@ -1,95 +1,117 @@
-"""Results files from finished runs: DIR/results.csv (tidy) and DIR/summary.md.
+"""Results files of a run or a sweep, from the runs' eval.json files alone: DIR/results.csv
+(tidy), DIR/summary.md and the figures (research.plots).
 
-results.csv has one row per run x eval length x eval mode x RoPE scaling, with the columns
-run, attention, position, seed, train_length, eval_length, eval_mode, rope_scaling, loss,
-perplexity, accuracy, exact_match, tokens, and one column per swept field (its dotted key).
+results.csv has one row per run x evaluation (research.eval_results: checkpoint step x eval
+length x mode x RoPE scaling x evaluated text), with the columns run, attention, position, seed,
+train_length, train_steps, step, eval_length, eval_mode, rope_scaling, num_tokens,
+sliding_stride, loss, perplexity, accuracy, exact_match, tokens, and, in a sweep, one column per
+swept field: a field that changes training in which a run differs from the sweep's base config
+(its dotted name). summary.md and the figures show each
+run's latest rows (the newest checkpoint step); a run evaluated before its last step is labelled
+with the step.
 """
 
 import collections
 import csv
-import json
 import math
 import os
 
-import ml_collections
-
+from research import config_fields
 from research import data
+from research import eval_results
 from research import sweep as sweep_lib
+from research import workdirs
 
 METRIC_COLUMNS = ("loss", "perplexity", "accuracy", "exact_match", "tokens")
+FIGURES = ("extrapolation.png", "rope_scaling.png", "loss_by_position.png")
 
 
 def _attention_label(config):
   return "+".join(config.model.layer_pattern) if config.model.layer_pattern else config.model.attention
 
 
-def collect(workdir, members):
-  """Rows of every done member (written to DIR/results.csv), and the names of the others."""
-  rows, not_done = [], []
-  for member in members:
-    status = sweep_lib.status(workdir, member.name)
-    if status["state"] != "done":
-      not_done.append(member.name)
-      continue
-    with open(os.path.join(sweep_lib.run_dir(workdir, member), "eval.json")) as f:
-      evaluations = json.load(f)
-    config = member.config
-    for evaluation in evaluations:
-      row = {"run": member.name, "attention": _attention_label(config),
-             "position": config.model.position, "seed": config.train.seed,
-             "train_length": config.train.seq_len, "eval_length": evaluation["eval_length"],
-             "eval_mode": evaluation["eval_mode"], "rope_scaling": evaluation["rope_scaling"]}
-      row.update({k: evaluation[k] for k in METRIC_COLUMNS})
-      row.update({k: _cell(v) for k, v in member.overrides.items()})
-      rows.append(row)
-  write_csv(os.path.join(workdir, "results.csv"), rows)
-  return rows, not_done
-
-
 def _cell(value):
   return "-".join(map(str, value)) if isinstance(value, (tuple, list)) else value
 
 
-def write_csv(path, rows):
-  columns = list(dict.fromkeys(k for row in rows for k in row))
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, columns)
+def _swept_fields(configs, base_config):
+  """Training fields in which some run's config differs from the sweep's base config."""
+  base = config_fields.flatten(base_config)
+  flat = [config_fields.flatten(config) for config in configs]
+  return sorted(name for name in base if config_fields.changes_training(name)
+                and any(f[name] != base[name] for f in flat))
+
+
+def _status(workdir, run):
+  if workdirs.is_sweep(workdir):
+    return sweep_lib.status(workdir, run.name)
+  return {"state": "not evaluated",
+          "reason": f"python -m experiments.evaluate --workdir={workdir} evaluates it"}
+
+
+def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
+  """(rows, runs without rows): every evaluation of every run (with each row's loss by position),
+  and (name, status) of the runs that have none. Writes DIR/results.csv (without the losses by
+  position)."""
+  runs = workdirs.runs(workdir)
+  configs = {run.name: config_fields.load_saved(run.directory) for run in runs
+             if os.path.exists(os.path.join(run.directory, "config.json"))}
+  swept = _swept_fields(configs.values(), workdirs.base_config(workdir))
+  rows, without = [], []
+  for run in runs:
+    evaluations = eval_results.read(run.directory)
+    if not evaluations:
+      without.append((run.name, _status(workdir, run)))
+      continue
+    config, flat = configs[run.name], config_fields.flatten(configs[run.name])
+    for evaluation in evaluations:
+      row = {"run": run.name, "attention": _attention_label(config),
+             "position": config.model.position, "seed": config.train.seed,
+             "train_length": config.train.seq_len, "train_steps": config.train.num_steps}
+      row.update({k: evaluation.get(k) for k in eval_results.KEY})
+      row.update({k: evaluation[k] for k in METRIC_COLUMNS})
+      row.update({k: _cell(flat[k]) for k in swept})
+      row["loss_by_position"] = evaluation["loss_by_position"]
+      rows.append(row)
+  columns = list(dict.fromkeys(k for row in rows for k in row if k != "loss_by_position"))
+  with open(os.path.join(workdir, "results.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-
-
-def read_csv(path):
-  with open(path, newline="") as f:
-    rows = list(csv.DictReader(f))
-  for row in rows:
-    for key in ("eval_length", "train_length", "seed", "tokens"):
-      row[key] = int(row[key])
-    for key in ("loss", "perplexity", "accuracy", "exact_match"):
-      row[key] = float(row[key])
-  return rows
+  return rows, without
 
 
 BARE_KEYS = ("model.attention", "model.position", "data.name")  # values name themselves
+OFF_VALUES = ("0", "0.0", "none", "False", "()")
 
 
-def variant_label(row, swept_keys):
-  """'mha / alibi' (swept values, seed left out), plus the RoPE scaling used at evaluation."""
+def variant_label(row: dict, swept_keys: list[str]) -> str:
+  """'mha / alibi' (swept values, seed left out; the run's name if nothing is swept), with the
+  checkpoint step if it is not the run's last. A swept setting that is off in this run (0,
+  none, False, empty) is left out: 'rope' beside 'rope / randomize_max_length=2048'."""
   parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
-           for k in swept_keys if k != "train.seed" and row.get(k) not in (None, "")]
+           for k in swept_keys if k != "train.seed" and row.get(k) not in (None, "")
+           and (k in BARE_KEYS or str(row[k]) not in OFF_VALUES)]
   label = " / ".join(parts) or row["run"]
-  return label if row["rope_scaling"] == "none" else f"{label} +{row['rope_scaling']}"
+  step = row.get("step")
+  return label if step is None or step == row["train_steps"] else f"{label} @step {step}"
 
 
-def swept_keys(rows):
+def scaled_label(variant: str, rope_scaling: str) -> str:
+  return variant if rope_scaling == "none" else f"{variant} +{rope_scaling}"
+
+
+def swept_keys(rows: list[dict]) -> list[str]:
   return [k for k in (rows[0] if rows else {}) if "." in k]
 
 
-def aggregate(rows, metric):
-  """{(eval_mode, variant): {eval_length: [metric per seed]}}."""
+def aggregate(rows: list[dict], metric: str) -> dict:
+  """{(eval_mode, variant, rope_scaling): {eval_length: [metric per seed]}}."""
   keys = swept_keys(rows)
   table = collections.defaultdict(lambda: collections.defaultdict(list))
   for row in rows:
-    table[(row["eval_mode"], variant_label(row, keys))][row["eval_length"]].append(row[metric])
+    variant = variant_label(row, keys)
+    table[(row["eval_mode"], variant, row["rope_scaling"])][row["eval_length"]].append(row[metric])
   return table
 
 
@@ -109,11 +131,11 @@ def write_summary(path, rows, not_done, metric, train_length):
            f"Trained at length {train_length}. Cells: mean +/- std over seeds (best seed). "
            f"`ratio` is the mean at length {ratio_length} over the mean at the training length.",
            ""]
-  for mode in sorted({mode for mode, _ in table}):
-    lengths = sorted({length for (m, _), per in table.items() if m == mode for length in per})
+  for mode in sorted({mode for mode, _, _ in table}):
+    lengths = sorted({length for (m, _, _), per in table.items() if m == mode for length in per})
     lines += [f"## {mode}", "", "| variant | " + " | ".join(map(str, lengths)) + " | ratio |",
               "|---" * (len(lengths) + 2) + "|"]
-    for (m, variant), per_length in sorted(table.items()):
+    for (m, variant, scaling), per_length in sorted(table.items()):
       if m != mode:
         continue
       cells = []
@@ -129,7 +151,7 @@ def write_summary(path, rows, not_done, metric, train_length):
       if (per_length.get(train_length) and per_length.get(ratio_length)
           and _mean_std(per_length[train_length])[0]):
         ratio = (f"{_mean_std(per_length[ratio_length])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
-      lines.append(f"| {variant} | " + " | ".join(cells) + f" | {ratio} |")
+      lines.append(f"| {scaled_label(variant, scaling)} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
   if not_done:
     lines += ["## Runs without results", "", "| run | state | reason |", "|---|---|---|"]
@@ -141,33 +163,27 @@ def write_summary(path, rows, not_done, metric, train_length):
     f.write("\n".join(lines))
 
 
-def redraw(workdir):
-  """summary.md and the figures from DIR/sweep.json, DIR/results.csv and the runs' files.
-
-  Returns the names of the sweep's runs that have no results (pending, failed or skipped).
-  """
+def write(workdir: str) -> list[str]:
+  """results.csv, summary.md and the figures of a run or sweep directory, from its runs'
+  eval.json files. Returns the names of the runs without results (pending, failed, skipped or
+  not evaluated)."""
   from research import plots  # noqa: PLC0415 (matplotlib only when drawing)
 
-  with open(os.path.join(workdir, "sweep.json")) as f:
-    record = json.load(f)
-  not_done = [(name, sweep_lib.status(workdir, name)) for name in record["members"]]
-  not_done = [(name, status) for name, status in not_done if status["state"] != "done"]
-  results_path = os.path.join(workdir, "results.csv")
-  rows = read_csv(results_path) if os.path.exists(results_path) else []
-  config = ml_collections.ConfigDict(record["config"])
+  rows, not_done = collect(workdir)
+  rows = eval_results.latest(rows)
+  config = workdirs.base_config(workdir)
   metric = "perplexity" if data.is_language_modeling(config) else "accuracy"
   train_length = config.train.seq_len
   write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length)
   if rows:
-    plain = [row for row in rows if row["rope_scaling"] == "none"]
-    plots.extrapolation_figure(plain, os.path.join(workdir, "extrapolation.png"), metric,
-                               train_length)
-    scaled = [row for row in rows if row["rope_scaling"] != "none"]
-    if scaled:
-      rope_runs = {row["run"] for row in scaled}
-      plots.extrapolation_figure(
+    plots.save(plots.extrapolation([row for row in rows if row["rope_scaling"] == "none"], metric,
+                                   train_length), os.path.join(workdir, "extrapolation.png"))
+    rope_runs = {row["run"] for row in rows if row["rope_scaling"] != "none"}
+    if rope_runs:
+      plots.save(plots.extrapolation(
           [row for row in rows if row["run"] in rope_runs and row["eval_mode"] == "nonoverlapping"],
-          os.path.join(workdir, "rope_scaling.png"), metric, train_length)
-    plots.loss_by_position_figure(workdir, rows, os.path.join(workdir, "loss_by_position.png"),
-                                  train_length)
+          metric, train_length), os.path.join(workdir, "rope_scaling.png"))
+    by_position = plots.loss_by_position(rows, train_length)
+    if by_position:
+      plots.save(by_position, os.path.join(workdir, "loss_by_position.png"))
   return [name for name, _ in not_done]

@@ -96,6 +96,12 @@ def state_shardings(tree, mesh):
   return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def sharded_abstract(tree, mesh):
+  """`tree` as ShapeDtypeStructs carrying the shardings of state_shardings (restore targets)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, state_shardings(tree, mesh))
+
+
 def batch_sharding(mesh, ndim=2):
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
 

@@ -3,11 +3,13 @@
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from research import eval_results
 from research import report
 from research import sweep
 from tests import tiny_sweep
@@ -30,7 +32,7 @@ def test_expansion_names_overrides_and_skips():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"model.atention": "mha"}, "unknown sweep axis 'model.atention'; valid fields of model: .*attention"),
+    ({"model.atention": "mha"}, "unknown sweep axis 'model.atention'; did you mean 'model.attention'"),
     ({"modle.attention": "mha"}, "no section 'modle'; valid sections: .*model"),
     ({"model.attention": "flash"}, r"sweep member 0 \(attention=flash\): unknown attention type"),
 ])
@@ -48,8 +50,7 @@ def finished_sweep(tmp_path_factory):
   sweep.check_sweep_workdir(workdir, tiny_sweep.get_config(), members)
   for member in members:
     sweep.run_member(workdir, member)
-  report.collect(workdir, members)
-  report.redraw(workdir)
+  report.write(workdir)
   return workdir, members
 
 
@@ -92,8 +93,30 @@ def test_a_different_config_in_the_same_workdir_is_refused(finished_sweep):
   workdir, members = finished_sweep
   config = tiny_sweep.get_config()
   config.model.d_model = 64
-  with pytest.raises(ValueError, match="holds results of a different sweep config"):
+  config.train.num_steps = 5
+  with pytest.raises(ValueError, match="holds a sweep of a different config .model.d_model: 32 -> "
+                                       "64; train.num_steps: 4 -> 5"):
     sweep.check_sweep_workdir(workdir, config, members)
+
+
+def test_a_rerun_with_new_eval_lengths_evaluates_only_those(finished_sweep, tmp_path):
+  shutil.copytree(finished_sweep[0], tmp_path / "sweep")
+  workdir = str(tmp_path / "sweep")
+  config = tiny_sweep.get_config()
+  config.eval.lengths = (32, 64, 128)
+  members = sweep.expand(tiny_sweep.get_sweep(), config, num_devices=8)
+  sweep.check_sweep_workdir(workdir, config, members)  # evaluation settings may change
+  before = eval_results.read(sweep.run_dir(workdir, members[0]))
+  messages = []
+  sweep.run_member(workdir, members[0], progress=messages.append)
+  rows = eval_results.read(sweep.run_dir(workdir, members[0]))
+  assert rows[:len(before)] == before
+  assert sorted((r["eval_length"], r["eval_mode"]) for r in rows[len(before):]) == [
+      (128, "nonoverlapping"), (128, "sliding")]
+  assert "evaluated 2 new settings" in messages[-1]
+  report.write(workdir)
+  with open(os.path.join(workdir, "results.csv")) as f:
+    assert {row["eval_length"] for row in csv.DictReader(f)} == {"32", "64", "128"}
 
 
 def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(tmp_path):

@@ -7,9 +7,10 @@ Splits: `train` (num_train_examples of training size, padded to seq_len inputs) 
 that fits, exactly L inputs). Every split draws from its own generator seeded by
 (seed, split, L), so an example depends on the builder config alone.
 
-ByteCorpus: one example per file, features `path` and `text` (the file's raw bytes), in
-relative-path order, splits train / validation / test as assigned by research.data.corpus; a
-builder config per file list, named `<label>_<hash>` of (relative path, size, mtime) of every file.
+ByteCorpus: one example per corpus file (a whole file, or a byte range of one), features `path`
+and `text` (its raw bytes, decompressed if gzip), in relative-path order, splits train /
+validation / test as assigned by research.data.corpus; a builder config per file list, named
+`<label>_<hash>` of (split, relative path, byte range, gzip, mtime) of every entry.
 """
 
 import dataclasses
@@ -103,7 +104,7 @@ class CorpusConfig(tfds.core.BuilderConfig):
 
 def corpus_config(label, files):
   """The builder config of a corpus made of `files` (research.data.corpus.CorpusFile)."""
-  key = [(f.split, f.relpath, f.size, f.mtime_ns) for f in files]
+  key = [(f.split, f.relpath, f.start, f.end, f.gzipped, f.mtime_ns) for f in files]
   return CorpusConfig(name=f"{label}_{_digest(key)}", files=tuple(files))
 
 
@@ -127,5 +128,4 @@ class ByteCorpus(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, split):
     for f in self.builder_config.files:
       if f.split == split:
-        with open(f.path, "rb") as file:
-          yield f.relpath, {"path": f.relpath, "text": file.read()}
+        yield f.relpath, {"path": f.relpath, "text": corpus.read(f)}
