@@ -9,14 +9,17 @@ overridden on the command line, e.g.
 
 import ml_collections
 
+from research import attention
+from research import positions
+
 
 def get_config():
   config = ml_collections.ConfigDict()
 
   config.model = ml_collections.ConfigDict()
   m = config.model
-  m.attention = "mha"  # research.attention.REGISTRY: mha, mqa, gqa, linear, mamba
-  m.position = "rope"  # research.positions.REGISTRY: none, sinusoidal, rope, alibi
+  m.attention = "mha"  # research.attention.REGISTRY (python -m experiments.variants lists them)
+  m.position = "rope"  # research.positions.REGISTRY
   m.layer_pattern = ()  # hybrids, e.g. ("mamba", "mamba", "mha"), tiled to num_layers
   m.num_layers = 2
   m.d_model = 128
@@ -24,24 +27,15 @@ def get_config():
   m.num_kv_heads = 4  # gqa only; mha uses num_heads, mqa uses 1
   m.mlp_ratio = 4  # 0 drops the MLP (pure Mamba-style stacks)
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
-  m.attention_backend = "xla"  # xla | blockwise | cudnn
-  m.block_size = 128  # blockwise attention query/key block
+  m.attention_backend = "xla"  # softmax attention: xla | blockwise | cudnn
   m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
-  # RoPE (arXiv:2104.09864) and its context extension, usable at evaluation time.
-  m.rope_base = 10000.0
-  m.rope_scaling = "none"  # none | pi | ntk | yarn
-  m.rope_scaling_factor = 1.0  # s = L_target / L_train
-  m.rope_original_length = 128  # L_train, for YaRN's NTK-by-parts ramp
-  # Linear attention (arXiv:2006.16236).
-  m.linear_feature_map = "elu"  # elu | relu
-  m.linear_chunk_size = 64
-  # Mamba selective SSM (arXiv:2312.00752).
-  m.ssm_state_size = 16
-  m.ssm_conv_width = 4
-  m.ssm_expand = 2
-  m.ssm_dt_rank = 0  # 0: ceil(d_model / 16)
-  m.ssm_chunk_size = 64
-  m.ssm_scan = "auto"  # within a chunk: associative | sequential | auto (sequential on CPU)
+  m.randomize_max_length = 0  # > 0: randomized positions in [0, M) in training (arXiv:2305.16843)
+  # Each registered mixer and position scheme declares its own hyperparameters; they appear here
+  # as sub-dicts under their names, e.g. model.rope.scaling, model.fire.hidden, model.softmax.
+  # block_size, model.linear.chunk_size, model.mamba.state_size.
+  for registry in (attention.REGISTRY, positions.REGISTRY):
+    for key, defaults in registry.default_settings().items():
+      m[key] = ml_collections.ConfigDict(defaults)
 
   config.data = ml_collections.ConfigDict()
   d = config.data
@@ -92,7 +86,9 @@ def get_config():
   e.sliding_stride = 0  # 0: half the training length
   e.num_tokens = 16384  # scored tokens per (length, mode), taken from the same text
   e.batch_size = 8
-  e.rope_scalings = ()  # extra rows for RoPE runs, e.g. ("pi", "ntk", "yarn")
+  # Extra rows for runs with a rotary scheme, each scaling at s = eval length / train length:
+  # any of research.positions.SCALINGS, e.g. ("pi", "static_ntk", "dynamic_ntk", "yarn").
+  e.rope_scalings = ()
   e.depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle tasks: where the needle sits, 0 first, 1 last
   e.bootstrap_samples = 1000  # resamples of the 95% intervals over windows / examples
   e.bootstrap_seed = 0

@@ -6,15 +6,15 @@ length L, evaluate perplexity at L, 2L, 4L, 8L, 16L with non-overlapping and sli
   python -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo
       6 runs (MHA x none/sinusoidal/rope/alibi, linear, mamba), about 8 minutes on 2 CPU cores.
       Expected at 8L (non-overlapping): ALiBi within ~10% of its 1x perplexity, sinusoidal 2x or
-      more, RoPE in between; RoPE also gets PI / NTK / YaRN rows without retraining.
+      more, RoPE in between; RoPE also gets PI / static NTK / dynamic NTK / YaRN rows without
+      retraining.
   python -m experiments.run --config=configs/lm_extrapolation.py:full --workdir=runs/full
       every attention type x compatible position x 3 seeds, for one GPU.
 Override anything, e.g. --config.train.num_steps=2000.
 """
 
 from configs import base
-from research import attention
-from research import model as model_lib
+from configs import sweeps
 
 
 def get_config(preset="quick"):
@@ -28,17 +28,20 @@ def get_config(preset="quick"):
     config.train.update(dict(num_steps=800, batch_size=8, seq_len=128, learning_rate=3e-3,
                              warmup_steps=80, log_every=100, checkpoint_every=400))
     config.eval.update(dict(num_tokens=4096, batch_size=8, sliding_stride=128,
-                            rope_scalings=("pi", "ntk", "yarn")))
+                            rope_scalings=("pi", "static_ntk", "dynamic_ntk", "yarn")))
   else:
     config.model.update(dict(num_layers=8, d_model=512, num_heads=8, num_kv_heads=2,
-                             compute_dtype="bfloat16", block_size=256))
+                             compute_dtype="bfloat16"))
+    config.model.softmax.block_size = 256
     config.train.update(dict(num_steps=20000, batch_size=64, seq_len=512, learning_rate=1e-3,
                              warmup_steps=1000, log_every=200, checkpoint_every=2000,
                              eval_every=2000))
     config.eval.update(dict(num_tokens=262144, batch_size=8, sliding_stride=256,
-                            rope_scalings=("pi", "ntk", "yarn")))
-  config.model.rope_original_length = config.train.seq_len
+                            rope_scalings=("pi", "static_ntk", "dynamic_ntk", "yarn")))
   config.eval.lengths = tuple(config.train.seq_len * k for k in (1, 2, 4, 8, 16))
+  # Learned positions get a row for every evaluated position (untrained beyond seq_len unless
+  # model.randomize_max_length spreads training over them).
+  config.model.learned.max_length = max(config.eval.lengths)
   return config
 
 
@@ -49,6 +52,4 @@ def get_sweep(preset="quick"):
             + [{"model.attention": "linear", "model.position": "rope"},
                {"model.attention": "mamba", "model.position": "none"}])
   return [{"model.attention": a, "model.position": p, "train.seed": seed}
-          for a, cls in sorted(attention.REGISTRY.items())
-          for p in model_lib.compatible_positions(cls)
-          for seed in (0, 1, 2)]
+          for a, p in sweeps.every_variant() for seed in (0, 1, 2)]

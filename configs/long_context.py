@@ -45,6 +45,7 @@ def get_config(preset="quick"):
       lengths=tuple(seq_len * k for k in ((1, 2, 4) if quick else (1, 2, 4, 8, 16))),
       depths=(0.0, 0.25, 0.5, 0.75, 1.0) if quick else tuple(i / 10 for i in range(11)),
       modes=("nonoverlapping",), batch_size=16 if quick else 4))
+  config.model.learned.max_length = max(config.eval.lengths)  # a row for every evaluated position
   return config
 
 

@@ -39,8 +39,12 @@ def parse_args(argv):
                            "256..16384, or two short ones with --quick")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
   parser.add_argument("--quick", action="store_true", help="short lengths, fewer repeats")
+  parser.add_argument("--only", default="",
+                      help="comma-separated kernels (mixers) or attention/position variants "
+                           "(train, decode) to run; default: every one the registries give")
   args = parser.parse_args(argv)
   args.lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
+  args.only = tuple(x.strip() for x in args.only.split(",") if x.strip())
   return args
 
 

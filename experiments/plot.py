@@ -1,25 +1,25 @@
-"""Redraw a sweep's summary.md and figures from its results files alone.
+"""Redraw results.csv, summary.md and the figures of a run or a sweep from its results files.
 
-  python -m experiments.plot runs/demo
+  python -m experiments.plot runs/demo        # a sweep directory (experiments.run)
+  python -m experiments.plot runs/alibi       # one run (experiments.train + experiments.evaluate)
 """
 
-import os
-import sys
+from absl import app
 
+from experiments import cli
 from research import report
 
 
-def main():
-  if len(sys.argv) != 2:
-    sys.exit("usage: python -m experiments.plot DIR  (a sweep directory with sweep.json)")
-  workdir = sys.argv[1]
-  if not os.path.exists(os.path.join(workdir, "sweep.json")):
-    sys.exit(f"{workdir} holds no sweep (no sweep.json); run experiments.run there first")
-  missing = report.redraw(workdir)
-  if missing:
-    print(f"runs without results ({len(missing)}), left out of the figures: {', '.join(missing)}")
-  print(f"redrew {workdir}/summary.md and the figures")
+def main(argv):
+  if len(argv) != 2:
+    raise app.UsageError("give one directory: python -m experiments.plot DIR (a run or a sweep)")
+  workdir = argv[1]
+  written = report.write(workdir)
+  if written.missing:
+    print(f"runs without results ({len(written.missing)}), left out of the figures: "
+          f"{', '.join(written.missing)}")
+  print(f"redrew {workdir}/: {', '.join(written.files)}")
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

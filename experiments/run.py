@@ -5,8 +5,9 @@
   python -m experiments.run --config=... --workdir=DIR --sweep_index=$SLURM_ARRAY_TASK_ID
   python -m experiments.run --config=... --workdir=DIR --collect         # after an array job
 
-Rerunning the same command does only what is not done (finished runs are kept; interrupted
-ones resume from their checkpoints; failed ones are retried).
+Rerunning the same command does only what is not done (finished runs are kept, and evaluated
+at eval settings they have no results for; interrupted ones resume from their checkpoints;
+failed ones are retried). A user error prints one line (--verbose: with its traceback).
 """
 
 import os
@@ -15,11 +16,11 @@ import sys
 import time
 
 import jax
-from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import cli
 from research import report
 from research import sweep
 
@@ -64,29 +65,31 @@ def main(argv):
   get_sweep = sweep.load_module(path).get_sweep
   members = sweep.expand(get_sweep(preset) if preset else get_sweep(), _CONFIG.value,
                          jax.device_count())
+  if _SWEEP_INDEX.value is not None and not 0 <= _SWEEP_INDEX.value < len(members):
+    raise ValueError(f"--sweep_index={_SWEEP_INDEX.value} is out of range; valid: 0.."
+                     f"{len(members) - 1} (the sweep has {len(members)} members)")
   sweep.check_sweep_workdir(workdir, _CONFIG.value, members)
   if _SWEEP_INDEX.value is not None:
-    if not 0 <= _SWEEP_INDEX.value < len(members):
-      raise app.UsageError(f"--sweep_index={_SWEEP_INDEX.value}; valid: 0..{len(members) - 1}")
     sweep.run_member(workdir, members[_SWEEP_INDEX.value])
     return
   if not _COLLECT.value:
-    pending = [m for m in members
-               if sweep.status(workdir, m.name)["state"] not in ("done", "skipped")]
+    states = {m.name: sweep.status(workdir, m.name)["state"] for m in members}
+    pending = [m for m in members if states[m.name] not in ("done", "skipped")]
     print(f"sweep of {len(members)} runs, {len(pending)} to do, in {workdir}", flush=True)
+    for member in members:  # finished runs: only evaluation settings they have no results for
+      if states[member.name] == "done":
+        sweep.run_member(workdir, member)
     if _PARALLEL.value > 1:
       _run_in_subprocesses(pending, _PARALLEL.value, child_env)
     else:
       for member in pending:
         sweep.run_member(workdir, member)
-  report.collect(workdir, members)
-  missing = report.redraw(workdir)
-  figures = [name for name in ("extrapolation.png", "rope_scaling.png", "loss_by_position.png")
-             if os.path.exists(os.path.join(workdir, name))]
-  print(f"results in {workdir}/: results.csv, summary.md, {', '.join(figures)}")
-  if missing:
-    print(f"runs without results ({len(missing)}): {', '.join(missing)}; see summary.md")
+  written = report.write(workdir)
+  print(f"results in {workdir}/: {', '.join(written.files)}")
+  if written.missing:
+    print(f"runs without results ({len(written.missing)}): {', '.join(written.missing)}; "
+          "see summary.md")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

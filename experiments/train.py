@@ -4,14 +4,15 @@
       [--config.model.attention=gqa ...]
 
 Writes DIR/config.json, DIR/metrics.jsonl and orbax checkpoints in DIR/checkpoints/; the same
-command again resumes from the latest checkpoint.
+command again resumes from the newest readable checkpoint. A user error prints one line
+(--verbose: with its traceback) and exits with status 1.
 """
 
-from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from experiments import cli
 from research import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:preset].",
@@ -27,4 +28,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -32,6 +32,17 @@ def main(argv):
     marks = ["yes" if p in supported else "-" for p in names]
     print(f"| {name} | " + " | ".join(marks) +
           f" | {model_lib.count_params(model):,} | {model.cache_bytes(1, 1024):,} |")
+  print("\nPosition schemes: the hooks each uses and the parameters it adds to that model (mha).\n")
+  print("| position | hooks | parameters added | per layer |")
+  print("|---|---|---|---|")
+  config.attention, config.position = "mha", "none"
+  plain = model_lib.count_params(nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0))))
+  for name, scheme_cls in positions.REGISTRY.items():
+    config.position = name
+    model = nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0)))
+    hooks = ", ".join(sorted(scheme_cls.hooks())) or "-"
+    per_layer = "no" if scheme_cls.shared_across_layers else "yes"
+    print(f"| {name} | {hooks} | {model_lib.count_params(model) - plain:,} | {per_layer} |")
 
 
 

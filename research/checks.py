@@ -4,35 +4,64 @@ import importlib.util
 import json
 import os
 
+import ml_collections
+
+from research import checkpoints
+from research import config_fields
 from research import data
 from research import model as model_lib
+from research import positions
 from research import sharding
 
-# Fields that may change when a run is resumed (they do not change what is being trained;
-# train.num_steps does, through the length of the learning-rate schedule).
-RESUMABLE_FIELDS = ("train.log_every", "train.checkpoint_every",
-                    "train.keep_checkpoints", "train.eval_every", "train.eval_batches",
-                    "train.tensorboard", "eval", "distributed", "mesh", "data.dir")
+# Scalar train and eval fields: (field, is the value valid, what is valid).
+FIELD_RULES = (
+    ("train.num_steps", lambda v: v >= 1, ">= 1"),
+    ("train.batch_size", lambda v: v >= 1, ">= 1"),
+    ("train.seq_len", lambda v: v >= 1, ">= 1"),
+    ("train.grad_accum_steps", lambda v: v >= 1, ">= 1"),
+    ("train.log_every", lambda v: v >= 1, ">= 1"),
+    ("train.checkpoint_every", lambda v: v >= 1, ">= 1"),
+    ("train.keep_checkpoints", lambda v: v >= 1, ">= 1"),
+    ("train.eval_batches", lambda v: v >= 1, ">= 1"),
+    ("train.eval_every", lambda v: v >= 0, ">= 0 (0: validation only at the end)"),
+    ("train.learning_rate", lambda v: v > 0, "> 0"),
+    ("train.end_learning_rate_fraction", lambda v: 0 <= v <= 1,
+     "in [0, 1] (the final learning rate as a fraction of the peak)"),
+    ("train.weight_decay", lambda v: v >= 0, ">= 0 (0: no weight decay)"),
+    ("train.grad_clip_norm", lambda v: v > 0,
+     "> 0 (gradients are clipped to this global norm; a large value clips nothing)"),
+    ("eval.num_tokens", lambda v: v >= 1, ">= 1"),
+    ("eval.batch_size", lambda v: v >= 1, ">= 1"),
+    ("eval.sliding_stride", lambda v: v >= 0, ">= 0 (0: half of train.seq_len)"),
+)
+
+
+def check_fields(config: ml_collections.ConfigDict):
+  """Raise ValueError naming every train/eval field of FIELD_RULES out of its range."""
+  values = config_fields.flatten(config)
+  problems = [f"{field}={values[field]!r} must be {valid}"
+              for field, is_valid, valid in FIELD_RULES if not is_valid(values[field])]
+  if problems:
+    raise ValueError("; ".join(problems))
 
 
 def validate_config(config, num_devices, process_count=1):
   """Raise ValueError naming what is wrong and what would be valid. Returns the mesh shape."""
+  check_fields(config)
   model_lib.validate(config.model)
+  model_lib.validate_lengths(config.model, config.train.seq_len, config.eval.lengths)
+  unknown = [s for s in config.eval.rope_scalings if s not in positions.SCALINGS]
+  if unknown:
+    raise ValueError(f"unknown eval.rope_scalings {unknown}; valid: {', '.join(positions.SCALINGS)}")
   data.validate(config)
   needed = data.vocab_size(config)
   if config.model.vocab_size < needed:
     raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
                      f"{needed} tokens of data.name={config.data.name!r}; use >= {needed}")
   t = config.train
-  for field in ("num_steps", "batch_size", "seq_len", "grad_accum_steps", "log_every",
-                "checkpoint_every", "keep_checkpoints"):
-    if t[field] < 1:
-      raise ValueError(f"train.{field} must be >= 1, got {t[field]}")
   if not 0 <= t.warmup_steps < t.num_steps:
     raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, num_steps="
                      f"{t.num_steps}); the cosine decay needs at least one step after warmup")
-  if t.learning_rate <= 0:
-    raise ValueError(f"train.learning_rate must be > 0, got {t.learning_rate}")
   shape = sharding.mesh_shape(config.mesh.shape, num_devices)
   batch_parallel = shape[0] * shape[1]
   micro_batch, remainder = divmod(t.batch_size, t.grad_accum_steps)
@@ -63,33 +92,19 @@ def validate_config(config, num_devices, process_count=1):
   return shape
 
 
-def _flat(config_dict, prefix=""):
-  out = {}
-  for key, value in config_dict.items():
-    name = f"{prefix}{key}"
-    if isinstance(value, dict):
-      out.update(_flat(value, name + "."))
-    else:
-      out[name] = value
-  return out
-
-
-def check_workdir(workdir, config_json):
-  """The workdir must be writable and, if it holds a run, hold this config (up to
-  RESUMABLE_FIELDS). Creates nothing."""
+def check_workdir(workdir, config: ml_collections.ConfigDict):
+  """The workdir must be writable and, if it holds a checkpointed run, one that trains the same
+  as `config` (research.config_fields: evaluation settings, new fields at their defaults and the
+  like may differ). A run without a checkpoint may restart with any config. Creates nothing."""
   check_writable(workdir)
   saved_path = os.path.join(workdir, "config.json")
-  if not os.path.exists(saved_path):
+  if not os.path.exists(saved_path) or not checkpoints.steps(workdir):
     return
   with open(saved_path) as f:
-    saved, current = _flat(json.load(f)), _flat(json.loads(config_json))
-  keep = lambda name: not any(name == f or name.startswith(f + ".") for f in RESUMABLE_FIELDS)
-  changed = sorted(n for n in set(saved) | set(current)
-                   if keep(n) and saved.get(n) != current.get(n))
-  if changed:
-    details = ", ".join(f"{n}: {saved.get(n)!r} -> {current.get(n)!r}" for n in changed[:5])
-    raise ValueError(f"workdir {workdir!r} holds a run of a different config ({details}); "
-                     f"use a new workdir, or the same config to resume")
+    differences = config_fields.training_differences(json.load(f), config)
+  if differences:
+    raise ValueError(f"workdir {workdir!r} holds a run of a different config ("
+                     f"{'; '.join(differences)}); use a new --workdir, or these values to resume")
 
 
 def check_writable(workdir):

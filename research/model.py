@@ -1,12 +1,17 @@
 """Decoder-only language model assembled from the registries.
 
-  h_0 = embed(tokens) [+ sinusoidal(positions)]
+  h_0 = embed(tokens) [+ position embedding term]
   h_l = h'_l + MLP(RMSNorm(h'_l)),  h'_l = h_{l-1} + Mixer_l(RMSNorm(h_{l-1}))   (pre-norm)
   logits = head(RMSNorm(h_L))                                                 (float32)
 Mixer_l is model.attention, or model.layer_pattern[l % len(pattern)] for hybrids. In a hybrid,
 recurrent layers (mamba) run without a qk or bias position scheme that the attention layers take,
 as in Jamba (arXiv:2403.19887). Every block is mixer + MLP so that variants differ only in the
 mixer; model.mlp_ratio = 0 drops the MLP (the Mamba paper's stack).
+
+Positions are per token, [B, L] (B = 1 when all rows share them). In evaluation and decoding they
+are 0, 1, 2, ...; in training, `training_positions` may draw them: with
+model.randomize_max_length = M > 0, each row's positions are a sorted random subset of [0, M)
+(randomized positional encodings, Ruoss et al., arXiv:2305.16843), for any position scheme.
 """
 
 import jax
@@ -32,16 +37,13 @@ def layer_types(model_config):
   return tuple(pattern[i % len(pattern)] for i in range(model_config.num_layers))
 
 
+def _honours(mixer_cls, scheme_cls):
+  """Whether the mixer applies every hook the scheme uses (the embedding term is the model's)."""
+  return scheme_cls.hooks() - {positions_lib.EMBED} <= mixer_cls.position_hooks
+
+
 def compatible_positions(mixer_cls):
-  return [name for name, cls in positions_lib.REGISTRY.items()
-          if cls.kind in mixer_cls.supported_positions]
-
-
-def _layer_position(mixer_cls, position):
-  """The position scheme a layer applies (a hybrid's recurrent layers may run without)."""
-  if position.kind in mixer_cls.supported_positions:
-    return position
-  return positions_lib.NoPosition()
+  return [name for name, cls in positions_lib.REGISTRY.items() if _honours(mixer_cls, cls)]
 
 
 def validate(model_config):
@@ -49,27 +51,50 @@ def validate(model_config):
   types = layer_types(model_config)
   field = "model.layer_pattern" if model_config.layer_pattern else "model.attention"
   mixers = {name: attention.REGISTRY.lookup(name, field) for name in types}
-  position = positions_lib.from_config(model_config)
   nn.compute_dtype(model_config)
   d, heads = model_config.d_model, model_config.num_heads
   if d < 1 or heads < 1 or d % heads:
     raise ValueError(f"d_model={d} is not divisible by num_heads={heads}; valid num_heads: "
                      f"{[h for h in range(1, d + 1) if d % h == 0]}")
-  if model_config.vocab_size < 1:
-    raise ValueError(f"model.vocab_size must be >= 1, got {model_config.vocab_size}")
+  for name in ("vocab_size",):
+    if model_config[name] < 1:
+      raise ValueError(f"model.{name} must be >= 1, got {model_config[name]}")
+  for name in ("mlp_ratio", "randomize_max_length"):
+    if model_config[name] < 0:
+      raise ValueError(f"model.{name} must be >= 0 (0 turns it off), got {model_config[name]}")
+  scheme = positions_lib.REGISTRY.lookup(model_config.position)
   hybrid = len(mixers) > 1
   for name, mixer_cls in mixers.items():
-    supported = position.kind in mixer_cls.supported_positions
-    if not supported and not (hybrid and mixer_cls.recurrent):
+    if not _honours(mixer_cls, scheme) and not (hybrid and mixer_cls.recurrent):
+      missing = sorted(scheme.hooks() - {positions_lib.EMBED} - mixer_cls.position_hooks)
       raise IncompatibleError(
-          f"attention {name!r} does not support position {model_config.position!r} (it acts on "
-          f"{position.kind!r}); compatible positions: {', '.join(compatible_positions(mixer_cls))}")
-    mixer_cls.validate(model_config)
-  if position.kind == positions_lib.QK and (d // heads) % 2:
-    raise ValueError(f"rope needs an even head dim, but d_model / num_heads = {d // heads}; "
-                     f"choose num_heads so that d_model / num_heads is even")
-  if position.kind == positions_lib.EMBED and d % 2:
-    raise ValueError(f"sinusoidal positions need an even d_model, got {d}")
+          f"attention {name!r} does not support position {model_config.position!r} (it needs "
+          f"the {' and '.join(missing)} hook, which {name!r} cannot honour); compatible "
+          f"positions: {', '.join(compatible_positions(mixer_cls))}")
+    mixer_cls.validate(attention.REGISTRY.settings(name, model_config), model_config)
+  positions_lib.validate(model_config)
+
+
+def validate_lengths(model_config, train_length, eval_lengths):
+  """The position scheme must represent every training and evaluation length."""
+  name = model_config.position
+  table = positions_lib.REGISTRY.lookup(name).max_length(
+      positions_lib.REGISTRY.settings(name, model_config))
+  randomized = model_config.randomize_max_length
+  if randomized and randomized < train_length:
+    raise ValueError(f"model.randomize_max_length={randomized} must be >= train.seq_len="
+                     f"{train_length} (positions are drawn from [0, randomize_max_length)), or 0")
+  if table is None:
+    return
+  key = positions_lib.REGISTRY.settings_key(name)
+  needed = {"train.seq_len": train_length, "model.randomize_max_length": randomized,
+            "the longest of eval.lengths": max(eval_lengths, default=0)}
+  for what, length in needed.items():
+    if length > table:
+      raise ValueError(f"{what} = {length} exceeds the {table} positions of the {name!r} table "
+                       f"(model.{key}.max_length): positions beyond it have no embedding (they "
+                       f"would read NaN). Use lengths <= {table}, or a larger table (its extra "
+                       f"rows are trained only with model.randomize_max_length)")
 
 
 class MLP(nnx.Module):
@@ -84,10 +109,10 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
 
-  def __init__(self, mixer_cls, model_config, position, *, rngs):
+  def __init__(self, mixer, model_config, *, rngs):
     d, dtype = model_config.d_model, nn.compute_dtype(model_config)
     self.mixer_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype)
-    self.mixer = mixer_cls(model_config, _layer_position(mixer_cls, position), rngs=rngs)
+    self.mixer = mixer
     self.mlp_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype) if model_config.mlp_ratio else None
     self.mlp = (MLP(d, model_config.mlp_ratio * d, rngs=rngs, dtype=dtype)
                 if model_config.mlp_ratio else None)
@@ -97,8 +122,8 @@ class Block(nnx.Module):
       return x
     return x + self.mlp(self.mlp_norm(x))
 
-  def __call__(self, x_BxLxD, positions_L):
-    x = x_BxLxD + self.mixer(self.mixer_norm(x_BxLxD), positions_L)
+  def __call__(self, x_BxLxD, positions_BxL):
+    x = x_BxLxD + self.mixer(self.mixer_norm(x_BxLxD), positions_BxL)
     return sharding.constrain(self._feed_forward(x), ("batch", "length", "embed"))
 
   def decode(self, x_BxTxD, cache, index):
@@ -112,35 +137,57 @@ class LanguageModel(nnx.Module):
     validate(model_config)
     d, dtype = model_config.d_model, nn.compute_dtype(model_config)
     self.dtype = dtype
-    self.position = positions_lib.from_config(model_config)
-    self.embed = nnx.Embed(model_config.vocab_size, d, dtype=dtype, param_dtype=jnp.float32,
-                           embedding_init=nnx.initializers.normal(1.0),
-                           embedding_metadata={"logical_axes": ("vocab", "embed")}, rngs=rngs)
-    self.blocks = nnx.List([
-        Block(attention.REGISTRY.lookup(name), model_config, self.position, rngs=rngs)
-        for name in layer_types(model_config)])
+    self.randomize_max_length = int(model_config.randomize_max_length)
+    scheme = positions_lib.REGISTRY.lookup(model_config.position)
+    # A scheme shared across layers is built once (and owns the embedding term); otherwise each
+    # attention layer builds its own.
+    self.position = (positions_lib.build(model_config, rngs=rngs)
+                     if scheme.shared_across_layers else None)
+    self.embed = nn.embed(model_config.vocab_size, d, ("vocab", "embed"), rngs=rngs, dtype=dtype,
+                          stddev=1.0)
+    blocks = []
+    for name in layer_types(model_config):
+      mixer_cls = attention.REGISTRY.lookup(name)
+      if not _honours(mixer_cls, scheme):  # a hybrid's recurrent layer
+        position = positions_lib.NoPosition(None, model_config, rngs=rngs)
+      else:
+        position = self.position or positions_lib.build(model_config, rngs=rngs)
+      mixer = mixer_cls(attention.REGISTRY.settings(name, model_config), model_config, position,
+                        rngs=rngs)
+      blocks.append(Block(mixer, model_config, rngs=rngs))
+    self.blocks = nnx.List(blocks)
     self.final_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype)
     self.head = nn.dense("BLD,DV->BLV", (d, model_config.vocab_size), ("embed", "vocab"),
                          rngs=rngs, dtype=dtype)
 
-  def _embed(self, tokens_BxT, positions_T):
+  def _embed(self, tokens_BxT, positions_BxT):
     # Gather from the whole table (all-gathered, as FSDP does before any use of a parameter):
     # the partitioner cannot gather from a table split along embed into a batch-split output.
-    table_VxD = sharding.constrain(self.embed.embedding.value, (None, None))
+    table_VxD = sharding.constrain(self.embed.embedding[...], (None, None))
     x = jnp.take(table_VxD, tokens_BxT, axis=0).astype(self.dtype)
-    if self.position.kind == positions_lib.EMBED:
-      x = x + self.position.embedding(positions_T, x.shape[-1]).astype(x.dtype)
+    term = None if self.position is None else self.position.embedding(positions_BxT, x.shape[-1])
+    if term is not None:
+      x = x + term.astype(x.dtype)
     return sharding.constrain(x, ("batch", "length", "embed"))
 
   def _logits(self, x):
     return self.head(self.final_norm(x)).astype(jnp.float32)
 
-  def __call__(self, tokens_BxL):
-    """Logits [batch, length, vocab] for tokens at positions 0..length-1."""
-    positions_L = jnp.arange(tokens_BxL.shape[1])
-    x = self._embed(tokens_BxL, positions_L)
+  def training_positions(self, key, batch_size, length):
+    """Positions [B, L] for a training batch: 0..L-1 (shared, B = 1), or with
+    model.randomize_max_length = M each row a sorted random subset of [0, M), drawn from `key`."""
+    if not self.randomize_max_length:
+      return jnp.arange(length)[None]
+    draw = lambda k: jnp.sort(jax.random.permutation(k, self.randomize_max_length)[:length])
+    return jax.vmap(draw)(jax.random.split(key, batch_size)).astype(jnp.int32)
+
+  def __call__(self, tokens_BxL, positions_BxL=None):
+    """Logits [batch, length, vocab]; positions default to 0..length-1."""
+    if positions_BxL is None:
+      positions_BxL = jnp.arange(tokens_BxL.shape[1])[None]
+    x = self._embed(tokens_BxL, positions_BxL)
     for block in self.blocks:
-      x = block(x, positions_L)
+      x = block(x, positions_BxL)
     return self._logits(x)
 
   def init_cache(self, batch_size, max_length):
@@ -150,7 +197,7 @@ class LanguageModel(nnx.Module):
   def decode(self, tokens_BxT, cache):
     """Logits for T new tokens that follow the cached ones, and the updated cache."""
     index = cache["index"]
-    x = self._embed(tokens_BxT, index + jnp.arange(tokens_BxT.shape[1]))
+    x = self._embed(tokens_BxT, (index + jnp.arange(tokens_BxT.shape[1]))[None])
     layers = []
     for block, layer_cache in zip(self.blocks, cache["layers"]):
       x, layer_cache = block.decode(x, layer_cache, index)
@@ -167,8 +214,15 @@ def build_model(model_config, *, rngs):
   return LanguageModel(model_config, rngs=rngs)
 
 
+def _size(module):
+  return sum(x.size for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
 def count_params(model, *, embeddings=True):
-  """Number of parameters; without the input embedding table if embeddings=False."""
-  state = nnx.state(model, nnx.Param)
-  total = sum(x.size for x in jax.tree.leaves(state))
-  return total if embeddings else total - model.embed.embedding.value.size
+  """Number of parameters. embeddings=False counts only those used in matmuls per token (for
+  FLOPs): without the token embedding table and the position schemes' parameters."""
+  total = _size(model)
+  if embeddings:
+    return total
+  schemes = {id(m): m for _, m in nnx.iter_graph(model) if isinstance(m, positions_lib.PositionScheme)}
+  return total - _size(model.embed) - sum(_size(m) for m in schemes.values())

@@ -1,7 +1,8 @@
-"""Small building blocks shared by the mixers and the model: parameters with logical axis names.
+"""Small building blocks shared by the mixers, the position schemes and the model.
 
-Every parameter carries `logical_axes` metadata (one name per dimension); `research.sharding`
-maps those names to mesh axes with one rules table.
+Every parameter carries two pieces of metadata where it is created:
+  logical_axes   one name per dimension; `research.sharding` maps names to mesh axes (one table);
+  weight_decay   whether AdamW decays it (`research.train` builds its mask from this alone).
 """
 
 import jax.numpy as jnp
@@ -10,24 +11,41 @@ from flax import nnx
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def compute_dtype(model_config):
+def compute_dtype(model_config) -> jnp.dtype:
   name = model_config.compute_dtype
   if name not in DTYPES:
     raise ValueError(f"unknown model.compute_dtype {name!r}; valid: {', '.join(DTYPES)}")
   return DTYPES[name]
 
 
+def param(value, axes, *, weight_decay: bool) -> nnx.Param:
+  """A float32 parameter with its logical axis names and whether it takes weight decay."""
+  if len(axes) != jnp.ndim(value):
+    raise ValueError(f"parameter of shape {jnp.shape(value)} and axes {axes} differ in rank")
+  return nnx.Param(jnp.asarray(value, jnp.float32), logical_axes=tuple(axes),
+                   weight_decay=weight_decay)
+
+
 def dense(einsum, shape, axes, *, rngs, dtype, bias_shape=None, bias_axes=None,
           init=nnx.initializers.lecun_normal(), bias_init=nnx.initializers.zeros_init()):
-  """An `nnx.Einsum` whose kernel (and bias) are annotated with logical axis names."""
+  """An `nnx.Einsum` with annotated parameters: the kernel decays, the bias does not."""
   if len(shape) != len(axes):
     raise ValueError(f"kernel shape {shape} and axes {axes} differ in rank")
   return nnx.Einsum(
-      einsum, shape, bias_shape, dtype=dtype, param_dtype=jnp.float32, kernel_init=init, bias_init=bias_init,
-      kernel_metadata={"logical_axes": tuple(axes)},
-      bias_metadata={"logical_axes": tuple(bias_axes or ())}, rngs=rngs)
+      einsum, shape, bias_shape, dtype=dtype, param_dtype=jnp.float32, kernel_init=init,
+      bias_init=bias_init,
+      kernel_metadata={"logical_axes": tuple(axes), "weight_decay": True},
+      bias_metadata={"logical_axes": tuple(bias_axes or ()), "weight_decay": False}, rngs=rngs)
 
 
 def rms_norm(d_model, *, rngs, dtype):
   return nnx.RMSNorm(d_model, dtype=dtype, param_dtype=jnp.float32,
-                     scale_metadata={"logical_axes": ("embed",)}, rngs=rngs)
+                     scale_metadata={"logical_axes": ("embed",), "weight_decay": False}, rngs=rngs)
+
+
+def embed(num_embeddings, features, axes, *, rngs, dtype, stddev, weight_decay=True):
+  """An `nnx.Embed` table with normal(stddev) initialisation and annotated parameters."""
+  return nnx.Embed(num_embeddings, features, dtype=dtype, param_dtype=jnp.float32,
+                   embedding_init=nnx.initializers.normal(stddev),
+                   embedding_metadata={"logical_axes": tuple(axes), "weight_decay": weight_decay},
+                   rngs=rngs)

@@ -1,4 +1,12 @@
-"""A name -> class table whose lookup errors list the valid names."""
+"""A name -> class table whose lookup errors list the valid names.
+
+Each registered class declares its own hyperparameters (`hyperparameters`, a dict of defaults).
+They live in the config sub-dict `model.<settings key>` (the registry name unless the entry names
+a shared one, as mha / mqa / gqa share `model.softmax`), so `configs/base.py` lists no
+family-prefixed fields and `--config.model.fire.hidden=32` works for any variant.
+"""
+
+import ml_collections
 
 
 class Registry(dict):
@@ -7,11 +15,14 @@ class Registry(dict):
     super().__init__()
     self.what = what
     self.config_field = config_field
+    self._settings_keys = {}
 
-  def register(self, name, cls):
+  def register(self, name, cls, settings=None):
+    """Add `cls` as `name`; its hyperparameters go under model.<settings or name>."""
     if name in self:
       raise ValueError(f"{self.what} {name!r} is already registered (to {self[name].__name__})")
     self[name] = cls
+    self._settings_keys[name] = settings or name
     return cls
 
   def lookup(self, name, config_field=None):
@@ -19,3 +30,29 @@ class Registry(dict):
       raise ValueError(f"unknown {self.what} {name!r} in {config_field or self.config_field}; "
                        f"valid: {', '.join(sorted(self))}")
     return self[name]
+
+  def settings_key(self, name):
+    return self._settings_keys[name]
+
+  def settings(self, name, model_config) -> ml_collections.ConfigDict:
+    """The entry's hyperparameters from `model_config` (its defaults where the sub-dict is absent)."""
+    key = self.settings_key(name)
+    defaults = ml_collections.ConfigDict(dict(self.lookup(name).hyperparameters))
+    given = model_config.get(key) if hasattr(model_config, "get") else None
+    if given is None:
+      return defaults
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+      raise ValueError(f"unknown field(s) {', '.join(f'model.{key}.{u}' for u in unknown)} for "
+                       f"{self.what} {name!r}; valid: "
+                       f"{', '.join(f'model.{key}.{f}' for f in defaults) or '(none)'}")
+    defaults.update(dict(given))
+    return defaults
+
+  def default_settings(self):
+    """{settings key: defaults} for every entry with hyperparameters, for configs/base.py."""
+    out = {}
+    for name, cls in self.items():
+      if cls.hyperparameters:
+        out.setdefault(self.settings_key(name), dict(cls.hyperparameters))
+    return out

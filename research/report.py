@@ -1,23 +1,30 @@
-"""Results files from finished runs: DIR/results.csv (tidy) and DIR/summary.md.
+"""Results files of a run or a sweep, from the runs' eval.json files alone: DIR/results.csv
+(tidy), DIR/summary.md and the figures (research.plots).
 
-results.csv has one row per run x eval length x eval mode x RoPE scaling, with the columns
-run, attention, position, seed, train_length, eval_length, eval_mode, rope_scaling, loss,
-perplexity, accuracy, exact_match, tokens and sequences (scored windows or examples), the 95%
-bootstrap interval of each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...),
-and one column per swept field (its dotted key). Needle tasks add a row per needle depth, with
-its `depth`; their row with an empty depth pools every depth.
+results.csv has one row per run x evaluation (research.eval_results: checkpoint step x eval
+length x mode x RoPE scaling x evaluated text x needle depth), with the columns run, attention,
+position, seed, train_length, train_steps, step, eval_length, eval_mode, rope_scaling,
+num_tokens, sliding_stride, bootstrap_samples, bootstrap_seed, loss, perplexity, accuracy,
+exact_match, tokens and sequences (scored windows or examples), the 95% bootstrap interval of
+each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...), and, in a sweep, one
+column per swept field: a field that changes training in which a run differs from the sweep's
+base config (its dotted name). Needle tasks add `depths` (those evaluated) and a row per needle
+depth, with its `depth`; their row with an empty depth pools every depth. summary.md and the
+figures show each run's latest rows (the newest checkpoint step); a run evaluated before its last
+step is labelled with the step.
 """
 
 import collections
 import csv
-import json
 import math
 import os
+from typing import NamedTuple
 
-import ml_collections
-
+from research import config_fields
 from research import data
+from research import eval_results
 from research import sweep as sweep_lib
+from research import workdirs
 
 INTERVAL_METRICS = ("loss", "perplexity", "accuracy", "exact_match")
 CI_COLUMNS = tuple(f"{m}_ci_{end}" for m in INTERVAL_METRICS for end in ("low", "high"))
@@ -28,78 +35,88 @@ def _attention_label(config):
   return "+".join(config.model.layer_pattern) if config.model.layer_pattern else config.model.attention
 
 
-def collect(workdir, members):
-  """Rows of every done member (written to DIR/results.csv), and the names of the others."""
-  rows, not_done = [], []
-  for member in members:
-    status = sweep_lib.status(workdir, member.name)
-    if status["state"] != "done":
-      not_done.append(member.name)
-      continue
-    with open(os.path.join(sweep_lib.run_dir(workdir, member), "eval.json")) as f:
-      evaluations = json.load(f)
-    config = member.config
-    for evaluation in evaluations:
-      row = {"run": member.name, "attention": _attention_label(config),
-             "position": config.model.position, "seed": config.train.seed,
-             "train_length": config.train.seq_len, "eval_length": evaluation["eval_length"],
-             "eval_mode": evaluation["eval_mode"], "rope_scaling": evaluation["rope_scaling"]}
-      if evaluation.get("depth") is not None:
-        row["depth"] = evaluation["depth"]
-      row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
-      row.update({k: _cell(v) for k, v in member.overrides.items()})
-      rows.append(row)
-  write_csv(os.path.join(workdir, "results.csv"), rows)
-  return rows, not_done
-
-
 def _cell(value):
   return "-".join(map(str, value)) if isinstance(value, (tuple, list)) else value
 
 
-def write_csv(path, rows):
-  columns = list(dict.fromkeys(k for row in rows for k in row))
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, columns)
+def _swept_fields(configs, base_config):
+  """Training fields in which some run's config differs from the sweep's base config."""
+  base = config_fields.flatten(base_config)
+  flat = [config_fields.flatten(config) for config in configs]
+  return sorted(name for name in base if config_fields.changes_training(name)
+                and any(f[name] != base[name] for f in flat))
+
+
+def _status(workdir, run):
+  if workdirs.is_sweep(workdir):
+    return sweep_lib.status(workdir, run.name)
+  return {"state": "not evaluated",
+          "reason": f"python -m experiments.evaluate --workdir={workdir} evaluates it"}
+
+
+def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
+  """(rows, runs without rows): every evaluation of every run (with each row's loss by position),
+  and (name, status) of the runs that have none. Writes DIR/results.csv (without the losses by
+  position)."""
+  runs = workdirs.runs(workdir)
+  configs = {run.name: config_fields.load_saved(run.directory) for run in runs
+             if os.path.exists(os.path.join(run.directory, "config.json"))}
+  swept = _swept_fields(configs.values(), workdirs.base_config(workdir))
+  rows, without = [], []
+  for run in runs:
+    evaluations = eval_results.read(run.directory)
+    if not evaluations:
+      without.append((run.name, _status(workdir, run)))
+      continue
+    config, flat = configs[run.name], config_fields.flatten(configs[run.name])
+    for evaluation in evaluations:
+      row = {"run": run.name, "attention": _attention_label(config),
+             "position": config.model.position, "seed": config.train.seed,
+             "train_length": config.train.seq_len, "train_steps": config.train.num_steps}
+      row.update({k: _cell(evaluation[k]) for k in eval_results.KEY if k in evaluation})
+      row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
+      row.update({k: _cell(flat[k]) for k in swept})
+      row["loss_by_position"] = evaluation["loss_by_position"]
+      rows.append(row)
+  columns = list(dict.fromkeys(k for row in rows for k in row if k != "loss_by_position"))
+  with open(os.path.join(workdir, "results.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
-
-
-def read_csv(path):
-  with open(path, newline="") as f:
-    rows = list(csv.DictReader(f))
-  for row in rows:
-    for key in ("eval_length", "train_length", "seed", "tokens", "sequences"):
-      if key in row:
-        row[key] = int(row[key])
-    for key in INTERVAL_METRICS + CI_COLUMNS:
-      if key in row:
-        row[key] = float(row[key])
-    row["depth"] = float(row["depth"]) if row.get("depth") else None
-  return rows
+  return rows, without
 
 
 BARE_KEYS = ("model.attention", "model.position", "data.name")  # values name themselves
+OFF_VALUES = ("0", "0.0", "none", "False", "()")
 
 
-def variant_label(row, swept_keys):
-  """'mha / alibi' (swept values, seed left out), plus the RoPE scaling used at evaluation."""
+def variant_label(row: dict, swept_keys: list[str]) -> str:
+  """'mha / alibi' (swept values, seed left out; the run's name if nothing is swept), with the
+  checkpoint step if it is not the run's last. A swept setting that is off in this run (0,
+  none, False, empty) is left out: 'rope' beside 'rope / randomize_max_length=2048'."""
   parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
-           for k in swept_keys if k != "train.seed" and k in row]
+           for k in swept_keys if k != "train.seed" and row.get(k) not in (None, "")
+           and (k in BARE_KEYS or str(row[k]) not in OFF_VALUES)]
   label = " / ".join(parts) or row["run"]
-  return label if row["rope_scaling"] == "none" else f"{label} +{row['rope_scaling']}"
+  step = row.get("step")
+  return label if step is None or step == row["train_steps"] else f"{label} @step {step}"
 
 
-def swept_keys(rows):
+def scaled_label(variant: str, rope_scaling: str) -> str:
+  return variant if rope_scaling == "none" else f"{variant} +{rope_scaling}"
+
+
+def swept_keys(rows: list[dict]) -> list[str]:
   return [k for k in (rows[0] if rows else {}) if "." in k]
 
 
-def aggregate(rows, metric):
-  """{(eval_mode, variant): {eval_length: [metric per seed]}}."""
+def aggregate(rows: list[dict], metric: str) -> dict:
+  """{(eval_mode, variant, rope_scaling): {eval_length: [metric per seed]}}."""
   keys = swept_keys(rows)
   table = collections.defaultdict(lambda: collections.defaultdict(list))
   for row in rows:
-    table[(row["eval_mode"], variant_label(row, keys))][row["eval_length"]].append(row[metric])
+    variant = variant_label(row, keys)
+    table[(row["eval_mode"], variant, row["rope_scaling"])][row["eval_length"]].append(row[metric])
   return table
 
 
@@ -121,9 +138,9 @@ def _summary_cell(values, lows, highs, best):
 
 
 def _intervals(rows, metric):
-  """aggregate() of the metric's interval bounds, empty tables for results without them."""
-  if not rows or f"{metric}_ci_low" not in rows[0]:
-    return {}, {}
+  """aggregate() of the metric's interval bounds over the rows that have them (rows evaluated
+  before intervals existed have none)."""
+  rows = [row for row in rows if f"{metric}_ci_low" in row]
   return aggregate(rows, f"{metric}_ci_low"), aggregate(rows, f"{metric}_ci_high")
 
 
@@ -132,7 +149,8 @@ def _depth_lines(rows, metric, best):
   keys = swept_keys(rows)
   cells = collections.defaultdict(lambda: collections.defaultdict(list))
   for row in rows:
-    cells[(variant_label(row, keys), row["eval_length"])][row["depth"]].append(row)
+    variant = scaled_label(variant_label(row, keys), row["rope_scaling"])
+    cells[(variant, row["eval_length"])][row["depth"]].append(row)
   depths = sorted({depth for per_depth in cells.values() for depth in per_depth})
   lines = [f"## {metric} by needle depth", "",
            "Depth 0: the needle starts the text; 1: it ends right before the question.", "",
@@ -147,8 +165,8 @@ def _depth_lines(rows, metric, best):
 
 
 def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
-  """summary.md: `metric` by evaluation length per variant (the pooled rows), by needle depth
-  (depth_rows, when there are some), and the runs without results."""
+  """summary.md: `metric` by evaluation length per variant (the rows without a depth), by needle
+  depth (depth_rows, when there are some), and the runs without results."""
   best = min if metric == "perplexity" else max
   table = aggregate(rows, metric)
   lows, highs = _intervals(rows, metric)
@@ -160,21 +178,22 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
            "[95% bootstrap interval over the evaluated windows or examples, averaged over seeds]. "
            f"`ratio` is the mean at length {ratio_length} over the mean at the training length.",
            ""]
-  for mode in sorted({mode for mode, _ in table}):
-    lengths = sorted({length for (m, _), per in table.items() if m == mode for length in per})
+  for mode in sorted({mode for mode, _, _ in table}):
+    lengths = sorted({length for (m, _, _), per in table.items() if m == mode for length in per})
     lines += [f"## {mode}", "", "| variant | " + " | ".join(map(str, lengths)) + " | ratio |",
               "|---" * (len(lengths) + 2) + "|"]
-    for (m, variant), per_length in sorted(table.items()):
+    for point, per_length in sorted(table.items()):
+      m, variant, scaling = point
       if m != mode:
         continue
-      cells = [_summary_cell(per_length.get(length), lows.get((m, variant), {}).get(length),
-                             highs.get((m, variant), {}).get(length), best)
+      cells = [_summary_cell(per_length.get(length), lows.get(point, {}).get(length),
+                             highs.get(point, {}).get(length), best)
                for length in lengths]
       ratio = ""
       if (per_length.get(train_length) and per_length.get(ratio_length)
           and _mean_std(per_length[train_length])[0]):
         ratio = (f"{_mean_std(per_length[ratio_length])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
-      lines.append(f"| {variant} | " + " | ".join(cells) + f" | {ratio} |")
+      lines.append(f"| {scaled_label(variant, scaling)} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
   if depth_rows:
     lines += _depth_lines(depth_rows, metric, best)
@@ -188,46 +207,55 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
     f.write("\n".join(lines))
 
 
-def redraw(workdir):
-  """summary.md and the figures from DIR/sweep.json, DIR/results.csv and the runs' files.
+class Written(NamedTuple):
+  files: list[str]  # the files written in the workdir: results.csv, summary.md, the figures
+  missing: list[str]  # the runs without results (pending, failed, skipped or not evaluated)
 
-  Returns the names of the sweep's runs that have no results (pending, failed or skipped).
-  """
+
+def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
+  """Draws the figures of the results (research.plots) into `workdir`; returns their names:
+  extrapolation.png and loss_by_position.png always, rope_scaling.png with RoPE-scaled rows,
+  needle_heatmap.png and lost_in_the_middle.png with needle depths, tasks.png over several tasks,
+  width.png over several widths (these two of the unscaled rows)."""
   from research import plots  # noqa: PLC0415 (matplotlib only when drawing)
 
-  with open(os.path.join(workdir, "sweep.json")) as f:
-    record = json.load(f)
-  not_done = [(name, sweep_lib.status(workdir, name)) for name in record["members"]]
-  not_done = [(name, status) for name, status in not_done if status["state"] != "done"]
-  results_path = os.path.join(workdir, "results.csv")
-  all_rows = read_csv(results_path) if os.path.exists(results_path) else []
-  rows = [row for row in all_rows if row["depth"] is None]  # one row per run x length x mode
-  depth_rows = [row for row in all_rows if row["depth"] is not None]
-  config = ml_collections.ConfigDict(record["config"])
+  plain = [row for row in rows if row["rope_scaling"] == "none"]
+  rope_runs = {row["run"] for row in rows if row["rope_scaling"] != "none"}
+  keys = swept_keys(rows)
+  figures = [  # (name, whether the results call for it, how to draw it)
+      ("extrapolation.png", True, lambda: plots.extrapolation(plain, metric, train_length)),
+      ("rope_scaling.png", bool(rope_runs), lambda: plots.extrapolation(
+          [row for row in rows if row["run"] in rope_runs and row["eval_mode"] == "nonoverlapping"],
+          metric, train_length)),
+      ("loss_by_position.png", True, lambda: plots.loss_by_position(rows, train_length)),
+      ("needle_heatmap.png", bool(depth_rows), lambda: plots.needle_heatmap(depth_rows, metric)),
+      ("lost_in_the_middle.png", bool(depth_rows),
+       lambda: plots.lost_in_the_middle(depth_rows, metric)),
+      ("tasks.png", "data.name" in keys and not data.is_language_modeling(config),
+       lambda: plots.task_panels(plain, metric)),
+      ("width.png", "model.d_model" in keys, lambda: plots.width(plain, metric)),
+  ]
+  written = []
+  for name, wanted, draw in figures:
+    figure = draw() if wanted else None
+    if figure is not None:
+      plots.save(figure, os.path.join(workdir, name))
+      written.append(name)
+  return written
+
+
+def write(workdir: str) -> Written:
+  """results.csv, summary.md and the figures of a run or sweep directory, from its runs'
+  eval.json files."""
+  all_rows, not_done = collect(workdir)
+  all_rows = eval_results.latest(all_rows)
+  rows = [row for row in all_rows if row.get("depth") is None]  # one per run x length x mode
+  depth_rows = [row for row in all_rows if row.get("depth") is not None]
+  config = workdirs.base_config(workdir)
   metric = ("perplexity" if data.is_language_modeling(config) else
             "exact_match" if config.data.name in data.NEEDLE_NAMES else "accuracy")
   train_length = config.train.seq_len
   write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length,
                 depth_rows)
-  if depth_rows:
-    plots.needle_heatmap_figure(depth_rows, os.path.join(workdir, "needle_heatmap.png"), metric)
-    plots.lost_in_the_middle_figure(depth_rows, os.path.join(workdir, "lost_in_the_middle.png"),
-                                    metric)
-  keys = swept_keys(rows)
-  if "data.name" in keys and not data.is_language_modeling(config):
-    plots.task_panels_figure(rows, os.path.join(workdir, "tasks.png"), metric)
-  if "model.d_model" in keys:
-    plots.width_figure(rows, os.path.join(workdir, "width.png"), metric)
-  if rows:
-    plain = [row for row in rows if row["rope_scaling"] == "none"]
-    plots.extrapolation_figure(plain, os.path.join(workdir, "extrapolation.png"), metric,
-                               train_length)
-    scaled = [row for row in rows if row["rope_scaling"] != "none"]
-    if scaled:
-      rope_runs = {row["run"] for row in scaled}
-      plots.extrapolation_figure(
-          [row for row in rows if row["run"] in rope_runs and row["eval_mode"] == "nonoverlapping"],
-          os.path.join(workdir, "rope_scaling.png"), metric, train_length)
-    plots.loss_by_position_figure(workdir, rows, os.path.join(workdir, "loss_by_position.png"),
-                                  train_length)
-  return [name for name, _ in not_done]
+  figures = _write_figures(workdir, rows, depth_rows, config, metric, train_length) if rows else []
+  return Written(["results.csv", "summary.md", *figures], [name for name, _ in not_done])

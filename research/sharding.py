@@ -27,6 +27,12 @@ RULES = {
     "state": None,
     "conv": None,
     "ssm_proj": None,
+    # Position schemes' parameters are small: replicated.
+    "max_positions": None,
+    "position_embed": None,
+    "relative_buckets": None,
+    "position_heads": None,
+    "fire_hidden": None,
 }
 
 
@@ -88,6 +94,12 @@ def state_shardings(tree, mesh):
     return leaf.replace(NamedSharding(mesh, spec))
 
   return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def sharded_abstract(tree, mesh):
+  """`tree` as ShapeDtypeStructs carrying the shardings of state_shardings (restore targets)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, state_shardings(tree, mesh))
 
 
 def batch_sharding(mesh, ndim=2):

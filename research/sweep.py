@@ -4,7 +4,9 @@ An experiment config file defines `get_config(preset)` and `get_sweep(preset)`, 
 of override dicts such as {"model.attention": "mha", "model.position": "alibi", "train.seed": 0}.
 Each member trains in DIR/runs/<name>/ and is evaluated at every eval length (research.
 extrapolation); DIR/runs/<name>/status.json says done, failed (with the error) or skipped (an
-incompatible attention x position pair, with the reason). A rerun does only what is not done.
+incompatible attention x position pair, with the reason). A rerun does only what is not done:
+it trains unfinished members and evaluates finished ones at the settings they have no results
+for (eval fields may change between reruns; fields that change training may not).
 """
 
 import functools
@@ -13,11 +15,17 @@ import importlib.util
 import json
 import os
 import traceback
+from typing import Callable
+
+import ml_collections
 
 from research import checks
+from research import config_fields
 from research import extrapolation
 from research import model as model_lib
 from research import train
+from research import workdir_lock
+from research import workdirs
 
 
 @dataclasses.dataclass
@@ -59,8 +67,10 @@ def apply_overrides(config, overrides):
                          f"{', '.join(sorted(node.keys()))}")
       node = node[part]
     if field not in node:
-      raise ValueError(f"unknown sweep axis {key!r}; valid fields of {'.'.join(path) or 'config'}:"
-                       f" {', '.join(sorted(node.keys()))}")
+      closest = config_fields.closest_field(key, config)
+      hint = f"did you mean {closest!r}? " if closest else ""
+      raise ValueError(f"unknown sweep axis {key!r}; {hint}valid fields of "
+                       f"{'.'.join(path) or 'config'}: {', '.join(sorted(node.keys()))}")
     node[field] = type(node[field])(value) if isinstance(node[field], tuple) else value
   return config
 
@@ -88,21 +98,27 @@ def expand(sweep, base_config, num_devices):
   return members
 
 
-def check_sweep_workdir(workdir, base_config, members):
-  """Refuse a workdir that holds a sweep of a different config; record this one's otherwise."""
+def check_sweep_workdir(workdir: str, base_config: ml_collections.ConfigDict,
+                        members: list[Member]):
+  """Refuse a workdir that holds a sweep that trains differently (naming every difference);
+  record this sweep's config and members otherwise (evaluation settings may have changed)."""
   record = {"config": json.loads(base_config.to_json(sort_keys=True)),
             "members": [m.name for m in members]}
-  path = os.path.join(workdir, "sweep.json")
-  if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    if saved != record:
-      raise ValueError(f"workdir {workdir!r} holds results of a different sweep config; use a "
-                       f"new --workdir (or delete {path} and the runs to start over)")
-    return
-  checks.check_writable(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  _write_json(path, record)
+  if workdirs.is_sweep(workdir):
+    saved = workdirs.sweep_record(workdir)
+    differences = config_fields.training_differences(saved["config"], base_config)
+    added = [name for name in record["members"] if name not in saved["members"]]
+    removed = [name for name in saved["members"] if name not in record["members"]]
+    differences += [f"members added: {', '.join(added)}"] if added else []
+    differences += [f"members removed: {', '.join(removed)}"] if removed else []
+    if differences:
+      raise ValueError(f"workdir {workdir!r} holds a sweep of a different config "
+                       f"({'; '.join(differences)}); use a new --workdir, or these values to "
+                       "continue it")
+  else:
+    checks.check_writable(workdir)
+    os.makedirs(workdir, exist_ok=True)
+  _write_json(os.path.join(workdir, workdirs.SWEEP_FILE), record)
 
 
 def _write_json(path, obj):
@@ -124,27 +140,37 @@ def status(workdir, name):
     return json.load(f)
 
 
-def run_member(workdir, member, progress=functools.partial(print, flush=True)):
-  """Train and evaluate one member unless done; a failure is recorded, not raised."""
-  directory = run_dir(workdir, member)
-  state = status(workdir, member.name)["state"]
-  if state == "done":
-    progress(f"[{member.index}] {member.name}: done already")
-    return
-  os.makedirs(directory, exist_ok=True)
-  status_path = os.path.join(directory, "status.json")
-  if member.skip_reason:
-    progress(f"[{member.index}] {member.name}: skipped: {member.skip_reason}")
-    _write_json(status_path, {"state": "skipped", "reason": member.skip_reason})
-    return
-  progress(f"[{member.index}] {member.name}: training")
+def run_member(workdir: str, member: Member,
+               progress: Callable[[str], None] = functools.partial(print, flush=True)):
+  """Train and evaluate one member; if it is done, evaluate it at the settings it has no results
+  for. A failure is recorded, not raised; a member that another process runs is left to it."""
+  directory, label = run_dir(workdir, member), f"[{member.index}] {member.name}"
+  done = status(workdir, member.name)["state"] == "done"
   try:
-    train.train_and_evaluate(member.config, directory)
-    progress(f"[{member.index}] {member.name}: evaluating")
-    rows = extrapolation.length_sweep(member.config, directory, progress=progress)
-    _write_json(os.path.join(directory, "eval.json"), rows)
+    with workdir_lock.hold(directory):
+      if member.skip_reason:
+        progress(f"{label}: skipped: {member.skip_reason}")
+        _write_json(os.path.join(directory, "status.json"),
+                    {"state": "skipped", "reason": member.skip_reason})
+        return
+      _train_and_evaluate(directory, member, label, done, progress)
+  except workdir_lock.WorkdirBusyError as e:
+    progress(f"{label}: left alone: {e}")
+
+
+def _train_and_evaluate(directory, member, label, done, progress):
+  status_path = os.path.join(directory, "status.json")
+  try:
+    if not done:
+      progress(f"{label}: training")
+      train.train_and_evaluate(member.config, directory)
+      progress(f"{label}: evaluating")
+    new_rows = extrapolation.evaluate_run(member.config, directory, progress=progress)
     _write_json(status_path, {"state": "done"})
+    if done:
+      progress(f"{label}: done already" + (f"; evaluated {len(new_rows)} new settings"
+                                           if new_rows else ""))
   except Exception as e:  # noqa: BLE001 (isolate any failure of one run from the others)
-    progress(f"[{member.index}] {member.name}: FAILED: {type(e).__name__}: {e}")
+    progress(f"{label}: FAILED: {type(e).__name__}: {e}")
     _write_json(status_path, {"state": "failed", "error": f"{type(e).__name__}: {e}",
                               "traceback": traceback.format_exc()})

@@ -4,13 +4,15 @@
           donate_argnums=0)
 over a (data, fsdp, tensor) device mesh, parameters sharded by their logical axis names
 (research.sharding.RULES) and created already sharded; AdamW with warmup + cosine decay and
-global-norm clipping (optax); asynchronous, atomic orbax checkpoints; resume by rerunning the
-same command (the batch of step s is a pure function of seed, s and process, so resuming needs no
-data state). Runs unchanged on CPU, GPU or TPU, one process or many (jax.distributed).
+global-norm clipping (optax); asynchronous, atomic orbax checkpoints (research.checkpoints);
+resume by rerunning the same command (the batch of step s is a pure function of seed, s and
+process, so resuming needs no data state). One writer per workdir (research.workdir_lock). Runs
+unchanged on CPU, GPU or TPU, one process or many (jax.distributed).
 
 Sections: 1 set-up and checks; 2 state, created sharded; 3 the step; 4 checkpoints; 5 the loop.
 """
 
+import contextlib
 import os
 import time
 
@@ -18,20 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 
+from research import checkpoints
 from research import checks
 from research import data
 from research import evaluate
 from research import flops
 from research import model as model_lib
 from research import sharding
+from research import workdir_lock
 from research.metrics import MetricWriter
-
-# Parameters without weight decay: norms and biases (vectors) and the SSM's A_log and D.
-NO_DECAY_NAMES = ("A_log", "D")
-
 
 class NonFiniteLossError(RuntimeError):
   pass
@@ -50,14 +49,26 @@ def make_optimizer(config):
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
       decay_steps=t.num_steps, end_value=t.learning_rate * t.end_learning_rate_fraction)
 
-  def decay_mask(params):  # params: a tree of nnx Variables (the loop) or of arrays (nnx.Optimizer)
-    def decays(path, leaf):
-      name = next((k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str)), "")
-      is_variable = isinstance(leaf, nnx.Variable)
-      decay = jnp.ndim(leaf.value if is_variable else leaf) >= 2 and name not in NO_DECAY_NAMES
-      return leaf.replace(decay) if is_variable else decay
+  # Each parameter's own `weight_decay` metadata, declared where it is created (research.nn),
+  # read once from the abstract model; the mask looks parameters up by their path, so it serves
+  # trees of Variables (this loop) and of raw arrays (nnx.Optimizer's update) alike.
+  declared = {}
+  abstract = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
+  for path, variable in jax.tree_util.tree_flatten_with_path(
+      nnx.state(abstract, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    decay = variable.get_metadata().get("weight_decay")
+    if decay is None:
+      raise ValueError(f"parameter {jax.tree_util.keystr(path)} does not declare weight_decay; "
+                       f"create it with research.nn.param / nn.dense, or pass weight_decay=...")
+    declared[jax.tree_util.keystr(path)] = decay
 
-    return jax.tree.map_with_path(decays, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  def decay_mask(params):
+    def decays(path, leaf):
+      decay = declared[jax.tree_util.keystr(path)]
+      return leaf.replace(decay) if isinstance(leaf, nnx.Variable) else decay
+
+    return jax.tree_util.tree_map_with_path(decays, params,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
   optimizer = optax.chain(
       optax.clip_by_global_norm(t.grad_clip_norm),
@@ -76,45 +87,28 @@ def make_init_state(config, optimizer):
   return init_state
 
 
-def checkpoint_manager(workdir, config):
-  return ocp.CheckpointManager(
-      os.path.join(workdir, "checkpoints"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.train.keep_checkpoints,
-                                           enable_async_checkpointing=True))
-
-
-def restore_state(manager, init_state, state_shardings, step=None):
-  """The train state of checkpoint `step` (default: the latest), placed with `state_shardings`."""
-  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          jax.eval_shape(init_state), state_shardings)
-  step = manager.latest_step() if step is None else step
-  return manager.restore(step, args=ocp.args.StandardRestore(abstract))
-
-
-def load_params(config, workdir, mesh):
-  """The parameters of the latest checkpoint in `workdir`, sharded over `mesh`."""
-  init_state = make_init_state(config, make_optimizer(config)[0])
-  with checkpoint_manager(os.path.abspath(workdir), config) as manager:
-    if manager.latest_step() is None:
-      raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints; train the run first")
-    state_shardings = sharding.state_shardings(jax.eval_shape(init_state), mesh)
-    return restore_state(manager, init_state, state_shardings)["params"]
-
-
 def train_and_evaluate(config, workdir):
-  """Train `config` in `workdir` (resuming from its latest checkpoint); returns the final state."""
+  """Train `config` in `workdir` (resuming from its newest readable checkpoint); returns the final
+  state. Raises ValueError for a bad config or a workdir of another run, WorkdirBusyError if
+  another process writes there, before writing anything."""
   # ---- 1. Set-up and checks: everything that can fail does so before any work is written.
   initialize_distributed(config)
-  workdir = os.path.abspath(workdir)
+  workdir = os.path.abspath(os.path.expanduser(workdir))
   mesh_shape = checks.validate_config(config, jax.device_count(), jax.process_count())
-  checks.check_workdir(workdir, config.to_json(sort_keys=True))
+  checks.check_writable(workdir)
   data.prepare(config)
-  mesh = sharding.make_mesh(mesh_shape)
   is_writer = jax.process_index() == 0
-  if is_writer:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json(indent=2, sort_keys=True))
+  with workdir_lock.hold(workdir) if is_writer else contextlib.nullcontext():
+    checks.check_workdir(workdir, config)
+    if is_writer:  # atomically: the other processes read it in check_workdir
+      with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
+        f.write(config.to_json(indent=2, sort_keys=True))
+      os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
+    return _train(config, workdir, sharding.make_mesh(mesh_shape), is_writer)
+
+
+def _train(config, workdir, mesh, is_writer):
+  """Sections 2-5, run while holding the workdir's writer lock."""
   t = config.train
 
   # ---- 2. Train state, created directly in its sharded layout (never whole on one device).
@@ -127,11 +121,17 @@ def train_and_evaluate(config, workdir):
 
   # ---- 3. The step: gradient accumulation over micro-batches, then one optimizer update.
   def loss_sum(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    logits = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"))
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return (nll * batch["loss_mask"]).sum()
 
   def train_step(state, batch):
+    # Randomized positions (model.randomize_max_length) are drawn for the whole batch, a pure
+    # function of (seed, step), before it is split into micro-batches; else 0..L-1 (the default).
+    key = jax.random.fold_in(jax.random.key(t.seed), state["step"])
+    positions = nnx.merge(graphdef, state["params"]).training_positions(key, *batch["inputs"].shape)
+    if positions.shape[0] > 1:
+      batch = dict(batch, positions=positions)
     # Strided micro-batches (rows i, i + k, ...) keep every device's rows on that device.
     micro = jax.tree.map(
         lambda x: x.reshape(-1, t.grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
@@ -156,13 +156,14 @@ def train_and_evaluate(config, workdir):
                        out_shardings=(state_shardings, None), donate_argnums=0)
   eval_step = evaluate.make_eval_step(graphdef)
 
-  # ---- 4. Checkpoints: restore the latest complete one, or initialise.
-  manager = checkpoint_manager(workdir, config)
+  # ---- 4. Checkpoints: restore the newest readable one, or initialise.
+  manager = checkpoints.manager(workdir, t.keep_checkpoints)
   with jax.set_mesh(mesh):
-    if manager.latest_step() is None:
+    state = checkpoints.restore_latest(manager,
+                                       sharding.sharded_abstract(jax.eval_shape(init_state), mesh),
+                                       log=print if is_writer else lambda line: None)
+    if state is None:
       state = jax.jit(init_state, out_shardings=state_shardings)()
-    else:
-      state = restore_state(manager, init_state, state_shardings)
   start = int(state["step"])
 
   # ---- 5. The loop.
@@ -170,7 +171,11 @@ def train_and_evaluate(config, workdir):
   flops_per_token = flops.train_flops_per_token(model_for_flops, t.seq_len)
   peak = flops.total_peak_flops()
   writer = MetricWriter(workdir, enabled=is_writer, tensorboard=t.tensorboard, resume_step=start)
-  if is_writer and start:
+  if is_writer and start == t.num_steps:
+    print(f"{workdir} is trained to step {start} already; to evaluate it at other lengths or "
+          f"scalings: python -m experiments.evaluate --workdir={workdir} "
+          "--config.eval.lengths=...", flush=True)
+  elif is_writer and start:
     print(f"resuming {workdir} from step {start}", flush=True)
   pending = []  # (step, device metrics) not yet checked for a finite loss
 
@@ -179,7 +184,7 @@ def train_and_evaluate(config, workdir):
     for step, metrics in pending:
       loss, params_finite = float(metrics["loss"]), bool(metrics["params_finite"])
       if not (np.isfinite(loss) and params_finite):
-        manager.wait_until_finished()
+        checkpoints.wait(manager)
         last = manager.latest_step()
         kept = f"the last checkpoint (step {last}) holds finite values" if last else (
             "no checkpoint was written")
@@ -205,7 +210,7 @@ def train_and_evaluate(config, workdir):
         window_steps += 1
       if done % t.checkpoint_every == 0 or done == t.num_steps:
         check_finite()
-        manager.save(done, args=ocp.args.StandardSave(state))
+        checkpoints.save(manager, done, state)
       if done % t.log_every == 0 or done == t.num_steps:
         last = jax.device_get(metrics)
         check_finite()
@@ -225,7 +230,7 @@ def train_and_evaluate(config, workdir):
         writer.write(record, eta_seconds=(t.num_steps - done) * elapsed / window_steps,
                      num_steps=t.num_steps)
         window_start, window_steps = time.perf_counter(), 0
-  manager.wait_until_finished()
+  checkpoints.wait(manager)
   manager.close()
   writer.close()
   return state

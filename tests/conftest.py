@@ -1,11 +1,22 @@
-"""Test set-up: 8 fake CPU devices (before JAX initialises its backend) and shared helpers."""
+"""Test set-up: 8 fake CPU devices (before JAX initialises its backend), one temporary directory
+for the session, removed at its end, and shared helpers."""
 
+import gzip
 import os
+import random
+import shutil
+import subprocess
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One prepared-data directory for the session, shared with the subprocesses tests start.
-os.environ.setdefault("RESEARCH_DATA_DIR", tempfile.mkdtemp(prefix="research_data_"))
+# Everything temporary of the session lives in one directory, removed when the session ends:
+# pytest's tmp_path, the prepared data (shared with the subprocesses tests start) and the scratch
+# directories TFDS makes for datasets it has not prepared (through TMPDIR in subprocesses too).
+if "RESEARCH_TESTS_TMP" not in os.environ:  # once, though pytest and `tests.conftest` import us
+  os.environ["RESEARCH_TESTS_TMP"] = tempfile.mkdtemp(prefix="research_tests_")
+SESSION_TMP = os.environ["RESEARCH_TESTS_TMP"]
+os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
+os.environ.setdefault("RESEARCH_DATA_DIR", os.path.join(SESSION_TMP, "research_data"))
 
 import jax  # noqa: E402
 
@@ -20,15 +31,54 @@ from configs import base  # noqa: E402
 
 
 def tiny_model_config(**overrides):
-  """A model small enough to compile in about a second, with several blocks and chunks."""
+  """A model small enough to compile in about a second, with several blocks and chunks.
+
+  A dict value updates that variant's settings: tiny_model_config(rope=dict(scaling="yarn")).
+  """
   config = base.get_config().model
   config.update(dict(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_ratio=2,
-                     vocab_size=61, block_size=8, linear_chunk_size=8, ssm_chunk_size=8,
-                     ssm_state_size=4, rope_original_length=16))
-  config.update(overrides)
+                     vocab_size=61))
+  settings = {"softmax": dict(block_size=8), "linear": dict(chunk_size=8),
+              "mamba": dict(chunk_size=8, state_size=4), "learned": dict(max_length=64)}
+  settings.update({key: dict(original_length=16) for key in ("rope", "xpos", "prope")})
+  for key, values in list(settings.items()) + list(overrides.items()):
+    if isinstance(values, dict):
+      config[key].update(values)
+    else:
+      config[key] = values
   return config
+
+
+def can_mount_in_a_namespace():
+  """Whether `unshare -rm` gives this process a mount namespace of its own (for tmpfs tests)."""
+  return bool(shutil.which("unshare")) and subprocess.run(
+      ["unshare", "-rm", "true"], capture_output=True).returncode == 0
 
 
 @pytest.fixture
 def model_config():
   return tiny_model_config()
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+  """(config, workdir) of a tiny run trained to its end (tests/tiny_config.py: 8 steps,
+  checkpoints 4 and 8) on a text_dir corpus of one gzip file. Tests that change the workdir work
+  on a copy (shutil.copytree)."""
+  from research import train  # noqa: PLC0415 (imported after the JAX set-up above)
+  from tests import tiny_config  # noqa: PLC0415
+
+  root = tmp_path_factory.mktemp("trained_run")
+  rng = random.Random(0)
+  words = "the of attention position rotary linear state length token bytes window".split()
+  with gzip.open(root / "corpus.txt.gz", "wt") as f:
+    f.write(" ".join(rng.choice(words) for _ in range(10_000)))
+  config = tiny_config.get_config()
+  config.data.update(dict(name="text_dir", corpus_path=str(root / "corpus.txt.gz")))
+  train.train_and_evaluate(config, str(root / "run"))
+  return config, str(root / "run")
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del session, exitstatus
+  shutil.rmtree(SESSION_TMP, ignore_errors=True)

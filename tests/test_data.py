@@ -1,5 +1,6 @@
 """Tests of research.data: tasks, corpora, batches, evaluation windows, preparation, errors."""
 
+import gzip
 import os
 import pathlib
 import random
@@ -379,6 +380,44 @@ def test_corpus_splits_are_disjoint_and_ordered(data_dir, text_corpus):
   assert data.vocab_size(config) == data.BYTE_VOCAB_SIZE and data.is_language_modeling(config)
 
 
+def test_a_one_file_corpus_is_split_by_byte_ranges(data_dir, tmp_path, monkeypatch):
+  monkeypatch.setenv("HOME", str(tmp_path))
+  text = " ".join(f"line {i} of the only file" for i in range(2000)).encode()
+  (tmp_path / "one.txt").write_bytes(text)
+  config = lm_config(data_dir, "~/one.txt")  # `~` is expanded
+  data.prepare(config)
+  dataset = catalog.resolve(config)
+  assert [(f.split, f.start, f.end) for f in dataset.files] == [
+      ("train", 0, int(0.9 * len(text))),
+      ("validation", int(0.9 * len(text)), int(0.95 * len(text))),
+      ("test", int(0.95 * len(text)), len(text))]
+  for f in dataset.files:
+    (document,) = documents(storage.token_stream(dataset, storage.data_dir(config), f.split))
+    assert document == text[f.start:f.end]
+
+
+def test_gzip_files_are_read_as_text_and_binary_files_refused(data_dir, tmp_path):
+  texts = {f"doc{i}.txt.gz": f"document {i} ".encode() * (50 + i) for i in range(40)}
+  (tmp_path / "gz").mkdir()
+  for name, text in texts.items():
+    with gzip.open(tmp_path / "gz" / name, "wb") as f:
+      f.write(text)
+  config = lm_config(data_dir, tmp_path / "gz", **{"eval.lengths": (16,), "eval.num_tokens": 20})
+  data.prepare(config)
+  dataset = catalog.resolve(config)
+  assert {f.relpath for f in dataset.files} == set(texts) and all(f.gzipped for f in dataset.files)
+  docs = documents(storage.token_stream(dataset, storage.data_dir(config), "train"))
+  assert docs == [texts[f.relpath][f.start:f.end] for f in dataset.files if f.split == "train"]
+  (tmp_path / "mixed").mkdir()
+  (tmp_path / "mixed" / "notes.txt").write_text("text " * 1000)
+  (tmp_path / "mixed" / "weights.bin").write_bytes(bytes(range(256)) * 4)
+  with gzip.open(tmp_path / "mixed" / "archive.tar.gz", "wb") as f:
+    f.write(b"x" * 100 + b"\0" * 100)
+  with pytest.raises(ValueError,
+                     match="2 files are binary, not text: .*archive.tar.gz.*weights.bin"):
+    data.validate(lm_config(data_dir, tmp_path / "mixed"))
+
+
 def test_stdlib_files_are_deterministic():
   files = corpus.stdlib_files()
   assert files == corpus.stdlib_files()
@@ -477,7 +516,7 @@ def bad_configs(data_dir, text_corpus, empty_dir):
       ("text_dir", {**lm, "eval.num_tokens": 10}, ["eval.num_tokens=10 must be >= the longest"]),
       ("text_dir", {**lm, "data.corpus_path": ""}, ["corpus_path is empty", "directory or a glob"]),
       ("text_dir", {**lm, "data.corpus_path": str(empty_dir)}, ["contains no files"]),
-      ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "missing")}, ["neither a directory"]),
+      ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "missing")}, ["neither a file, a directory"]),
       ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "*.txt")}, ["contains no files"]),
       ("parity", {}, ["data.name='parity' is unknown", "parity_check", "passkey", "bucket_sort"]),
       ("modular_arithmetic", {"data.task_vocab_size": 4},

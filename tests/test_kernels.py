@@ -5,36 +5,78 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
+from research import positions
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
 from research.attention.ssm import SCANS, chunked_selective_scan
-from research.positions import RoPE, alibi_slopes
+from research.positions import alibi_slopes
+from tests.conftest import tiny_model_config
 
 
 def _normal(seed, shape, scale=1.0):
   return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
-@pytest.mark.parametrize("length,heads,kv_heads,alibi", [
-    (37, 4, 2, True),  # GQA + ALiBi, length not a multiple of the block
-    (32, 4, 4, False),  # MHA, whole blocks
-    (20, 4, 1, True),  # MQA
-])
-def test_blockwise_equals_naive_forward_and_gradients(length, heads, kv_heads, alibi):
+def _bias_function(name, heads):
+  """The bias of scheme `name` as (bias_fn(params, q_positions, k_positions), params)."""
+  scheme = positions.build(tiny_model_config(position=name, num_heads=heads, d_model=8 * heads,
+                                             t5=dict(num_buckets=8, max_distance=16),
+                                             fire=dict(init_threshold=6.0)),
+                           rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(scheme)
+  return (lambda p, q_positions, k_positions:
+          nnx.merge(graphdef, p).bias(q_positions, k_positions)), params
+
+
+BIAS_SCHEMES = [n for n, cls in positions.REGISTRY.items() if positions.BIAS in cls.hooks()]
+
+
+@pytest.mark.parametrize("length,heads,kv_heads,scheme,shared_positions", [
+    (37, 4, 2, "alibi", True),  # GQA, length not a multiple of the block
+    (32, 4, 4, "none", True),  # MHA, whole blocks, no bias
+    (20, 4, 1, "alibi", False),  # MQA, a position row per sequence
+] + [(37, 4, 2, name, name == "t5") for name in BIAS_SCHEMES if name != "alibi"])
+def test_blockwise_equals_xla_forward_and_gradients_including_the_bias_parameters(
+    length, heads, kv_heads, scheme, shared_positions):
+  """The same bias function per tile as materialised: outputs, dq, dk, dv and d(bias params)."""
   q = _normal(0, (2, length, heads, 8))
   k, v = _normal(1, (2, length, kv_heads, 8)), _normal(2, (2, length, kv_heads, 8))
-  slopes = jnp.asarray(alibi_slopes(heads)) if alibi else None
+  positions_BxT = jnp.arange(length)[None] * 2 + 1  # any increasing positions
+  if not shared_positions:
+    positions_BxT = jnp.stack([positions_BxT[0], positions_BxT[0] + 5])
+  bias_fn, params = _bias_function(scheme, heads)
   d_out = _normal(3, q.shape)
 
-  def vjp(f):
-    out, pullback = jax.vjp(lambda q, k, v: f(q, k, v, slopes), q, k, v)
-    return (out,) + pullback(d_out)
+  def xla(q, k, v, params):
+    bias = bias_fn(params, positions_BxT, positions_BxT)
+    if bias is not None:
+      bias = jnp.broadcast_to(bias, (2,) + bias.shape[1:])
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True,
+                                        implementation="xla")
 
-  fast = jax.jit(lambda: vjp(lambda *a: blockwise_attention(*a, block_size=8)))()
-  naive = jax.jit(lambda: vjp(reference.softmax_attention))()
-  for got, want in zip(fast, naive):
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  def vjp(f):
+    out, pullback = jax.vjp(f, q, k, v, params)
+    return out, pullback(d_out)
+
+  fast = jax.jit(lambda: vjp(lambda *a: blockwise_attention(
+      *a[:3], positions_BxT, bias_fn, a[3], block_size=8)))()
+  naive = jax.jit(lambda: vjp(xla))()
+  got, want = jax.tree.leaves(fast), jax.tree.leaves(naive)
+  assert len(got) == len(want) and (scheme in ("none", "alibi") or len(got) > 4)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def test_xla_backend_equals_the_naive_reference():
+  q, k, v = _normal(0, (2, 13, 4, 8)), _normal(1, (2, 13, 2, 8)), _normal(2, (2, 13, 2, 8))
+  bias = jnp.asarray(alibi_slopes(4))[:, None, None] * -(
+      jnp.arange(13)[:, None] - jnp.arange(13)[None, :])
+  got = jax.nn.dot_product_attention(q, k, v, bias=bias[None], is_causal=True,
+                                     implementation="xla")
+  np.testing.assert_allclose(got, reference.softmax_attention(q, k, v, bias[None]), atol=1e-5)
 
 
 def test_blockwise_keeps_no_length_squared_residual():
@@ -52,10 +94,11 @@ def test_chunked_linear_equals_materialised_cumsum(feature_map, use_rope):
   b, length, n, h = 2, 21, 2, 8
   q, k, v = (_normal(i, (b, length, n, h)) for i in range(3))
   state = (jnp.zeros((b, n, h, h)), jnp.zeros((b, n, h)))
-  rope = RoPE()
-  rotate = (lambda x: rope.rotate(x, jnp.arange(length))) if use_rope else None
+  rope = positions.build(tiny_model_config(d_model=16, num_heads=2), rngs=nnx.Rngs(0))
+  rotate = (lambda x: rope.rotate(x, jnp.arange(length)[None])) if use_rope else None
   got, (s, z) = jax.jit(lambda q, k, v: chunked_linear_attention(
-      q, k, v, state, feature_map=feature_map, chunk_size=8, rotate=rotate))(q, k, v)
+      q, k, v, state, feature_map=feature_map, chunk_size=8, transform_q=rotate,
+      transform_k=rotate))(q, k, v)
   phi = FEATURE_MAPS[feature_map]
   phi_q, phi_k = phi(q), phi(k)
   rotated = (rotate(phi_q), rotate(phi_k)) if use_rope else (None, None)

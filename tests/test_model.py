@@ -73,25 +73,49 @@ def test_parameter_count_and_logical_axes():
   per_layer = 4 * d * d + 2 * d * f + 2 * d  # q, k, v, out; MLP; two norm scales
   assert research.count_params(model) == 2 * v * d + per_layer + d
   assert research.count_params(model, embeddings=False) == v * d + per_layer + d
+
+
+
+@pytest.mark.parametrize("position", ["fire", "learned", "t5"])
+def test_every_parameter_declares_logical_axes_and_weight_decay(position):
+  model = research.build_model(tiny_model_config(attention="mha", position=position),
+                               rngs=nnx.Rngs(0))
   for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     axes = variable.get_metadata().get("logical_axes")
-    assert axes is not None and len(axes) == variable.value.ndim, path
+    assert axes is not None and len(axes) == variable[...].ndim, path
+    assert variable.get_metadata().get("weight_decay") in (True, False), path
+
+
+def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
+  fire = research.build_model(tiny_model_config(position="fire", num_layers=2), rngs=nnx.Rngs(0))
+  assert fire.blocks[0].mixer.position is not fire.blocks[1].mixer.position
+  t5 = research.build_model(tiny_model_config(position="t5", num_layers=2), rngs=nnx.Rngs(0))
+  assert t5.blocks[0].mixer.position is t5.blocks[1].mixer.position is t5.position
+  # FLOPs count matmul parameters only: position parameters are not per-token matmuls.
+  plain = research.build_model(tiny_model_config(position="none", num_layers=2), rngs=nnx.Rngs(0))
+  assert research.count_params(fire, embeddings=False) == research.count_params(plain, embeddings=False)
 
 
 @pytest.mark.parametrize("overrides,message", [
     (dict(attention="flash"), "unknown attention type 'flash'.*valid: gqa, linear, mamba, mha, mqa"),
-    (dict(position="t5"), "unknown position scheme 't5'.*valid: alibi, none, rope, sinusoidal"),
+    (dict(position="t6"), "unknown position scheme 't6'.*valid: alibi, fire, kerple, learned, none, prope, rope, sinusoidal, t5, xpos"),
     (dict(attention="gqa", num_kv_heads=3), r"num_kv_heads=3 does not divide num_heads=4; valid: \[1, 2, 4\]"),
     (dict(d_model=30), "d_model=30 is not divisible by num_heads=4"),
-    (dict(d_model=12, position="rope"), "rope needs an even head dim.*= 3"),
-    (dict(attention="linear", position="alibi"), "'linear' does not support position 'alibi'.*compatible positions: none, sinusoidal, rope"),
-    (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal"),
+    (dict(d_model=12, position="rope"), "rotary positions need an even head dim.*= 3"),
+    (dict(attention="linear", position="alibi"), "'linear' does not support position 'alibi' \\(it needs the bias hook.*compatible positions: none, sinusoidal, rope, learned, xpos, prope"),
+    (dict(attention="linear", position="fire"), "'linear' does not support position 'fire'"),
+    (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
     (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: xla, blockwise, cudnn"),
     (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'; use 'xla' or 'blockwise'"),
     (dict(layer_pattern=("mamba", "flash"), num_layers=2), "unknown attention type 'flash' in model.layer_pattern"),
     (dict(layer_pattern=("mamba", "mha"), num_layers=3), "num_layers=3 must be a positive multiple of len"),
     (dict(compute_dtype="fp8"), "unknown model.compute_dtype 'fp8'; valid: float32, bfloat16"),
-    (dict(rope_scaling="linear"), "unknown rope_scaling 'linear'; valid: none, pi, ntk, yarn"),
+    (dict(rope=dict(scaling="linear")), "unknown rotary scaling 'linear'; valid: none, pi, static_ntk, dynamic_ntk, yarn"),
+    (dict(mlp_ratio=-1), "model.mlp_ratio must be >= 0"),
+    (dict(randomize_max_length=-2), "model.randomize_max_length must be >= 0"),
+    (dict(softmax=dict(block_size=0)), "model.softmax.block_size must be >= 1"),
+    (dict(attention="linear", position="none", linear=dict(chunk_size=0)), "model.linear.chunk_size must be >= 1"),
+    (dict(attention="mamba", position="none", mamba=dict(scan="fast")), "unknown model.mamba.scan 'fast'"),
 ])
 def test_bad_model_config_fails_at_build_time(overrides, message):
   with pytest.raises(ValueError, match=message):

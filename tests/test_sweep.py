@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import pytest
 
 from research import attention
 from research import data
+from research import eval_results
 from research import report
 from research import sweep
 from tests import tiny_sweep
@@ -32,7 +34,7 @@ def test_expansion_names_overrides_and_skips():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"model.atention": "mha"}, "unknown sweep axis 'model.atention'; valid fields of model: .*attention"),
+    ({"model.atention": "mha"}, "unknown sweep axis 'model.atention'; did you mean 'model.attention'"),
     ({"modle.attention": "mha"}, "no section 'modle'; valid sections: .*model"),
     ({"model.attention": "flash"}, r"sweep member 0 \(attention=flash\): unknown attention type"),
 ])
@@ -50,8 +52,7 @@ def finished_sweep(tmp_path_factory):
   sweep.check_sweep_workdir(workdir, tiny_sweep.get_config(), members)
   for member in members:
     sweep.run_member(workdir, member)
-  report.collect(workdir, members)
-  report.redraw(workdir)
+  report.write(workdir)
   return workdir, members
 
 
@@ -99,8 +100,30 @@ def test_a_different_config_in_the_same_workdir_is_refused(finished_sweep):
   workdir, members = finished_sweep
   config = tiny_sweep.get_config()
   config.model.d_model = 64
-  with pytest.raises(ValueError, match="holds results of a different sweep config"):
+  config.train.num_steps = 5
+  with pytest.raises(ValueError, match="holds a sweep of a different config .model.d_model: 32 -> "
+                                       "64; train.num_steps: 4 -> 5"):
     sweep.check_sweep_workdir(workdir, config, members)
+
+
+def test_a_rerun_with_new_eval_lengths_evaluates_only_those(finished_sweep, tmp_path):
+  shutil.copytree(finished_sweep[0], tmp_path / "sweep")
+  workdir = str(tmp_path / "sweep")
+  config = tiny_sweep.get_config()
+  config.eval.lengths = (32, 64, 128)
+  members = sweep.expand(tiny_sweep.get_sweep(), config, num_devices=8)
+  sweep.check_sweep_workdir(workdir, config, members)  # evaluation settings may change
+  before = eval_results.read(sweep.run_dir(workdir, members[0]))
+  messages = []
+  sweep.run_member(workdir, members[0], progress=messages.append)
+  rows = eval_results.read(sweep.run_dir(workdir, members[0]))
+  assert rows[:len(before)] == before
+  assert sorted((r["eval_length"], r["eval_mode"]) for r in rows[len(before):]) == [
+      (128, "nonoverlapping"), (128, "sliding")]
+  assert "evaluated 2 new settings" in messages[-1]
+  report.write(workdir)
+  with open(os.path.join(workdir, "results.csv")) as f:
+    assert {row["eval_length"] for row in csv.DictReader(f)} == {"32", "64", "128"}
 
 
 def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(tmp_path):
@@ -119,7 +142,9 @@ def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(
   assert (tmp_path / "results.csv").exists() and (tmp_path / "extrapolation.png").exists()
 
 
-EXPERIMENTS = ("lm_extrapolation", "tasks_extrapolation", "mqar", "long_context", "algorithmic")
+NOT_EXPERIMENTS = ("base.py", "sweeps.py", "__init__.py")  # configs/ files without a sweep
+EXPERIMENTS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "configs"))
+                     if name.endswith(".py") and name not in NOT_EXPERIMENTS)
 
 
 def _expand(name, preset):
@@ -127,19 +152,12 @@ def _expand(name, preset):
   return sweep.expand(module.get_sweep(preset), module.get_config(preset), num_devices=1)
 
 
-@pytest.mark.parametrize("preset", ["quick", "full"])
-@pytest.mark.parametrize("name", EXPERIMENTS)
+@pytest.mark.parametrize("name,preset", [(n, p) for n in EXPERIMENTS for p in ("quick", "full")])
 def test_experiment_configs_expand_into_valid_sweeps(name, preset):
   """Every shipped sweep validates before any work: names, fields, compatible pairs."""
   members = _expand(name, preset)
   assert len({m.name for m in members}) == len(members) > 1
   assert sum(not m.skip_reason for m in members) >= len(members) // 2
-
-
-def test_shipped_configs_are_all_tested():
-  shipped = {f[:-3] for f in os.listdir(os.path.join(ROOT, "configs"))
-             if f.endswith(".py") and f not in ("__init__.py", "base.py", "sweeps.py")}
-  assert shipped == set(EXPERIMENTS)
 
 
 @pytest.mark.parametrize("preset", ["quick", "full"])
@@ -172,6 +190,13 @@ def _fake_evaluations(config, member_index):
   for length in config.eval.lengths:
     for depth in depths + ((None,) if depths != (None,) else ()):
       at = 0.5 if depth is None else depth
+      settings = {"step": config.train.num_steps, "eval_length": length,
+                  "eval_mode": "nonoverlapping", "rope_scaling": "none", "num_tokens": 0,
+                  "sliding_stride": 0, "bootstrap_samples": 10, "bootstrap_seed": 0}
+      if depths != (None,):
+        settings["depths"] = list(depths)
+      if depth is not None:
+        settings["depth"] = depth
       value = 0.9 - 0.1 * member_index - 0.3 * at * length / max(config.eval.lengths)
       metrics = {"loss": 1 - value, "perplexity": 3 - value, "accuracy": value,
                  "exact_match": value, "tokens": 80, "sequences": 16,
@@ -179,8 +204,7 @@ def _fake_evaluations(config, member_index):
       for name in report.INTERVAL_METRICS:
         metrics[f"{name}_ci_low"] = metrics[name] - 0.05
         metrics[f"{name}_ci_high"] = metrics[name] + 0.05
-      rows.append({"eval_length": length, "eval_mode": "nonoverlapping", "rope_scaling": "none",
-                   "depth": depth, **metrics})
+      rows.append({**settings, **metrics})
   return rows
 
 
@@ -195,22 +219,26 @@ def test_figures_and_summary_from_results_files(name, figures, tmp_path):
   for index, member in enumerate(members):
     directory = sweep.run_dir(workdir, member)
     os.makedirs(directory)
-    with open(os.path.join(directory, "eval.json"), "w") as f:
-      json.dump(_fake_evaluations(member.config, index % 3), f)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+      f.write(member.config.to_json())
+    eval_results.append(directory, _fake_evaluations(member.config, index % 3))
     with open(os.path.join(directory, "status.json"), "w") as f:
       json.dump({"state": "done"}, f)
-  report.collect(workdir, members)
-  assert report.redraw(workdir) == []
-  for figure in figures + ("extrapolation.png",):
-    assert os.path.getsize(os.path.join(workdir, figure)) > 0, figure
-  rows = report.read_csv(os.path.join(workdir, "results.csv"))
+  written = report.write(workdir)
+  assert written.missing == []
+  assert set(written.files) == {"results.csv", "summary.md", "extrapolation.png",
+                                "loss_by_position.png", *figures}
+  for file_name in written.files:
+    assert os.path.getsize(os.path.join(workdir, file_name)) > 0, file_name
+  with open(os.path.join(workdir, "results.csv")) as f:
+    rows = list(csv.DictReader(f))
   summary = open(os.path.join(workdir, "summary.md")).read()
   if name == "long_context":
     depths = {row["depth"] for row in rows}
-    assert depths == {None, *members[0].config.eval.depths}
+    assert depths == {"", *map(str, members[0].config.eval.depths)}
     assert "## exact_match by needle depth" in summary
-    # passkey / mha / rope is member 0: 0.9 - 0.3 * depth * length / 1024
-    assert ("| passkey / mha / rope | 512 | 0.900 [0.850, 0.950] | 0.863 [0.812, 0.913] | "
+    # passkey with MHA and RoPE is member 0: 0.9 - 0.3 * depth * length / 1024
+    assert ("| passkey / rope | 512 | 0.900 [0.850, 0.950] | 0.863 [0.812, 0.913] | "
             "0.825 [0.775, 0.875] |") in summary
   else:
     assert "depth" not in open(os.path.join(workdir, "results.csv")).readline()

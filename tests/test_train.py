@@ -1,12 +1,15 @@
 """The training loop: sharding equivalence, exact resume after SIGKILL, multi-process runs,
-the non-finite guard and bad configs (CPU, 8 fake devices, a tiny model, a few steps)."""
+the non-finite guard, bad configs, one writer per workdir, falling back from a damaged
+checkpoint, and a disk that turns read-only or full (CPU, 8 fake devices, a tiny model)."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 
 import jax
 import numpy as np
@@ -14,9 +17,12 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from research import checkpoints
 from research import model as model_lib
 from research import train
+from research import workdir_lock
 from tests import tiny_config
+from tests.conftest import can_mount_in_a_namespace
 from tests.conftest import tiny_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,10 +81,14 @@ def test_sigkill_and_restart_gives_bit_identical_parameters(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
   for line in process.stdout:
     if line.startswith("step 10/"):
+      with pytest.raises(workdir_lock.WorkdirBusyError, match=f"in use by pid {process.pid} on"):
+        with workdir_lock.hold(resumed):
+          pass
       process.send_signal(signal.SIGKILL)
       break
   process.wait()
   assert process.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  # The OS released the killed writer's lock: the same command resumes.
   result = subprocess.run(_train_command(resumed, *steps), env=_env(8), cwd=ROOT, check=True,
                           capture_output=True, text=True)
   assert "resuming" in result.stdout
@@ -132,6 +142,22 @@ def test_non_finite_loss_stops_the_run_and_keeps_checkpoints_finite(tmp_path):
     (dict(train=dict(warmup_steps=8)), r"warmup_steps=8 must be in \[0, num_steps=8\)"),
     (dict(train=dict(eval_every=3, log_every=2)), "eval_every=3 must be a multiple of train.log_every=2"),
     (dict(eval=dict(lengths=(16,), num_tokens=16)), "eval.num_tokens=16 must be >= train.seq_len=32"),
+    (dict(model=dict(position="learned", learned=dict(max_length=40))),
+     "the longest of eval.lengths = 64 exceeds the 40 positions of the 'learned' table"),
+    (dict(model=dict(randomize_max_length=16)), "model.randomize_max_length=16 must be >= train.seq_len=32"),
+    (dict(model=dict(attention="linear", position="t5")), "'linear' does not support position 't5'"),
+    (dict(model=dict(position="alibi", rope=dict(scaling="yarn"))), "needs a rotary position scheme"),
+    (dict(model=dict(position="t5", t5=dict(num_buckets=0))), "model.t5.num_buckets must be >= 2"),
+    (dict(model=dict(mlp_ratio=-1)), "model.mlp_ratio must be >= 0"),
+    (dict(eval=dict(rope_scalings=("ntk",))), r"unknown eval.rope_scalings \['ntk'\]; valid: none, pi, static_ntk"),
+    (dict(train=dict(grad_clip_norm=0.0)), r"train.grad_clip_norm=0.0 must be > 0"),
+    (dict(train=dict(weight_decay=-0.1)), r"train.weight_decay=-0.1 must be >= 0"),
+    (dict(train=dict(end_learning_rate_fraction=1.5)),
+     r"train.end_learning_rate_fraction=1.5 must be in \[0, 1\]"),
+    (dict(train=dict(eval_every=-1)), "train.eval_every=-1 must be >= 0"),
+    (dict(train=dict(eval_batches=0)), "train.eval_batches=0 must be >= 1"),
+    (dict(eval=dict(sliding_stride=-1)), "eval.sliding_stride=-1 must be >= 0"),
+    (dict(eval=dict(num_tokens=0)), "eval.num_tokens=0 must be >= 1"),
 ])
 def test_bad_configs_fail_before_training_and_write_nothing(overrides, message, tmp_path):
   config = tiny_config.get_config()
@@ -172,10 +198,17 @@ def test_gradient_accumulation_matches_the_full_batch(tmp_path):
                              rtol=1e-5)
 
 
-def test_no_weight_decay_on_norms_biases_and_ssm_decay_parameters():
-  model = model_lib.build_model(tiny_model_config(attention="mamba", position="none"),
-                                rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("attention,position,decayed_names", [
+    ("mamba", "none", {"kernel", "embedding", "conv_kernel"}),
+    ("mha", "fire", {"kernel", "embedding", "hidden_kernel", "out_kernel"}),
+    ("mha", "learned", {"kernel", "embedding", "table"}),
+    ("mha", "t5", {"kernel", "embedding"}),
+])
+def test_weight_decay_follows_each_parameters_declaration(attention, position, decayed_names):
+  """Norms, biases, Mamba's A_log and D, and the T5/KERPLE/FIRE bias parameters never decay."""
   config = tiny_config.get_config()
+  config.model = tiny_model_config(attention=attention, position=position)
+  model = model_lib.build_model(config.model, rngs=nnx.Rngs(0))
   config.train.update(dict(learning_rate=1.0, warmup_steps=0, weight_decay=1.0))
   optimizer, _ = train.make_optimizer(config)
   params = nnx.state(model)
@@ -183,8 +216,8 @@ def test_no_weight_decay_on_norms_biases_and_ssm_decay_parameters():
   updates, _ = optimizer.update(jax.tree.map(np.zeros_like, params), optimizer.init(params),
                                 params)
   decayed = {path[-1] for path, update in nnx.to_flat_state(updates)
-             if np.abs(np.asarray(update.value)).sum() > 0}
-  assert decayed == {"kernel", "embedding", "conv_kernel"}, decayed
+             if np.abs(np.asarray(update[...])).sum() > 0}
+  assert decayed == decayed_names, decayed
 
 
 def test_tensorboard_events_are_written_without_tensorflow(tmp_path):
@@ -193,3 +226,105 @@ def test_tensorboard_events_are_written_without_tensorflow(tmp_path):
   train.train_and_evaluate(config, str(tmp_path))
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
   assert "tensorflow" not in sys.modules
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path):
+  workdir = str(tmp_path / "run")
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time\nfrom research import workdir_lock\n"
+       "with workdir_lock.hold(sys.argv[1]):\n  print('held', flush=True)\n  time.sleep(600)",
+       workdir], cwd=ROOT, env=_env(1), stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(workdir_lock.WorkdirBusyError, match=f"in use by pid {holder.pid} on "):
+      train.train_and_evaluate(tiny_config.get_config(), workdir)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert os.listdir(workdir) == [workdir_lock.LOCK_NAME]  # the refused writer wrote nothing
+
+
+def _truncate_data_files(checkpoint_dir):
+  """Cut every file of a checkpoint above 1 KB (the arrays' data) to half its size."""
+  for path in checkpoint_dir.rglob("*"):
+    if path.is_file() and os.path.getsize(path) > 1024:
+      os.truncate(path, os.path.getsize(path) // 2)
+
+
+def test_a_truncated_checkpoint_falls_back_to_the_previous_one(trained_run, tmp_path, capsys):
+  config, trained = trained_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(trained, workdir)
+  _truncate_data_files(tmp_path / "run" / "checkpoints" / "8")
+  capsys.readouterr()
+  train.train_and_evaluate(config, workdir)
+  fallback = [line for line in capsys.readouterr().out.splitlines() if "unreadable" in line]
+  assert len(fallback) == 1 and "checkpoint 8 " in fallback[0], fallback
+  assert fallback[0].endswith("using step 4")
+  assert os.path.isdir(tmp_path / "run" / checkpoints.UNREADABLE_DIR / "8")  # kept aside
+  assert checkpoints.steps(workdir) == [4, 8]
+  for got, want in zip(_final_params(workdir), _final_params(trained), strict=True):
+    np.testing.assert_array_equal(got, want)
+  # When no checkpoint restores, one error says so and every checkpoint is left in place.
+  for step in (4, 8):
+    _truncate_data_files(tmp_path / "run" / "checkpoints" / str(step))
+  with pytest.raises(checkpoints.CheckpointError, match="no checkpoint .* restores .steps 8, 4"):
+    train.train_and_evaluate(config, workdir)
+  assert checkpoints.steps(workdir) == [4, 8]
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_restarts_with_a_fixed_config(tmp_path):
+  config = tiny_config.get_config()
+  config.train.update(dict(num_steps=4, warmup_steps=1, checkpoint_every=4, learning_rate=1e30))
+  with pytest.raises(train.NonFiniteLossError, match="no checkpoint was written"):
+    train.train_and_evaluate(config, str(tmp_path))
+  config.train.learning_rate = 1e-2
+  train.train_and_evaluate(config, str(tmp_path))
+  assert [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+  assert json.load(open(tmp_path / "config.json"))["train"]["learning_rate"] == 1e-2
+
+
+_DISK_FAULTS = textwrap.dedent("""
+    # In a mount namespace of our own: a 16 MiB tmpfs workdir that turns read-only once
+    # checkpoint 50 is complete, then (resumed) full once checkpoint 100 is: the next save is
+    # 50 steps away. Prints each run's exit status and the milliseconds from fault to exit.
+    set -u
+    mount -t tmpfs -o size=16m tmpfs "$DISK"
+    train="$PYTHON -m experiments.train --config=$CONFIG --workdir=$DISK/run
+           --config.train.num_steps=100000 --config.train.warmup_steps=2
+           --config.train.checkpoint_every=50 --config.train.log_every=50"
+    $train 2> "$OUT/read_only.err" > /dev/null &
+    until [ -d "$DISK/run/checkpoints/50" ] || ! kill -0 $!; do sleep 0.05; done
+    mount -o remount,ro "$DISK"; start=$(date +%s%N)
+    wait $!; echo "read_only $? $(( ($(date +%s%N) - start) / 1000000 ))"
+    mount -o remount,rw "$DISK"
+    $train 2> "$OUT/full.err" > /dev/null &
+    until [ -d "$DISK/run/checkpoints/100" ] || ! kill -0 $!; do sleep 0.05; done
+    cat /dev/zero > "$DISK/filler" 2> /dev/null; start=$(date +%s%N)
+    wait $!; echo "full $? $(( ($(date +%s%N) - start) / 1000000 ))"
+    rm "$DISK/filler"; cp -r "$DISK/run" "$OUT/run"
+    """)
+
+
+@pytest.mark.skipif(not can_mount_in_a_namespace(), reason="needs unshare -rm (user namespaces)")
+def test_a_disk_that_turns_read_only_or_full_stops_the_run_within_seconds(tmp_path):
+  (tmp_path / "disk").mkdir()
+  env = dict(_env(8), DISK=str(tmp_path / "disk"), OUT=str(tmp_path), PYTHON=sys.executable,
+             CONFIG=CONFIG)
+  result = subprocess.run(["unshare", "-rm", "bash", "-c", _DISK_FAULTS], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+  outcomes = {name: (int(rc), int(milliseconds) / 1000)
+              for name, rc, milliseconds in (line.split() for line in result.stdout.splitlines())}
+  for name, step, reason in (("read_only", 100, "Read-only file system"),
+                             ("full", 150, "No space left on device")):
+    rc, seconds = outcomes[name]
+    errors = open(tmp_path / f"{name}.err").read()
+    assert rc == 1 and seconds < 30, (name, outcomes, errors[-2000:])
+    assert "Traceback" not in errors, errors[-2000:]
+    (line,) = [line for line in errors.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: cannot write checkpoint {step} ") and reason in line, line
+    assert f"the last complete checkpoint (step {step - 50}) is intact" in line
+  assert checkpoints.steps(str(tmp_path / "run")) == [50, 100]
+  with ocp.CheckpointManager(checkpoints.directory(str(tmp_path / "run"))) as manager:
+    restored = manager.restore(100, args=ocp.args.StandardRestore())
+  assert int(restored["step"]) == 100

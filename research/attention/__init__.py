@@ -1,7 +1,8 @@
 """Sequence mixers ("attention types"), by name.
 
-To add one: subclass `research.attention.base.Mixer` in a new file and register it below. The
-conformance suite in tests/ is parametrized over this registry, so it covers the new entry.
+To add one: subclass `research.attention.base.Mixer` in a new file and register it below (one
+line). The conformance suite in tests/ is parametrized over this registry, so it covers the new
+entry; so are the benchmarks, the variants table and the sweeps that enumerate it.
 """
 
 from research.attention.base import Mixer
@@ -12,9 +13,9 @@ from research.attention.ssm import Mamba
 from research.registry import Registry
 
 REGISTRY = Registry("attention type", "model.attention")
-REGISTRY.register("mha", MHA)
-REGISTRY.register("mqa", MQA)
-REGISTRY.register("gqa", GQA)
+REGISTRY.register("mha", MHA, settings="softmax")
+REGISTRY.register("mqa", MQA, settings="softmax")
+REGISTRY.register("gqa", GQA, settings="softmax")
 REGISTRY.register("linear", LinearAttention)
 REGISTRY.register("mamba", Mamba)
 REGISTRY.register("retention", Retention)

@@ -1,4 +1,9 @@
-"""The interface every sequence mixer implements.
+"""The interface every sequence mixer implements, and the helpers the mixers share.
+
+Shape letters used in names throughout research/attention and research/positions:
+  B batch   L, T length of the sequence / of the new tokens   S key length   D d_model
+  N query heads   K key/value heads   G query heads per key/value head (N / K)   H head dim
+  E inner width (Mamba)   F feature or hidden width   C chunk or block length.
 
 A mixer maps [batch, length, d_model] to the same shape, causally. It supports
   * full-sequence forward `__call__(x, positions)` for training and evaluation,
@@ -7,7 +12,10 @@ A mixer maps [batch, length, d_model] to the same shape, causally. It supports
   * `cache_bytes(batch, context_length)`: the size of that cache, read off its shapes,
   * `mixing_flops_per_token(context_length)`: forward FLOPs per token that are not parameter
     matmuls (those are counted as 2 per parameter by `research.flops`).
-It declares the position kinds (research.positions) it supports in `supported_positions`.
+It calls the position scheme's hooks unconditionally (research/positions/base.py) and declares in
+`position_hooks` which of {qk, bias} it can honour (the embedding hook is the model's); its
+hyperparameters are `hyperparameters` (defaults), read from the config sub-dict given at
+registration (research/registry.py) and checked by `validate`.
 """
 
 import math
@@ -16,11 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from research import positions as positions_lib
+from research import nn
 
 
 class Mixer(nnx.Module):
-  supported_positions = positions_lib.KINDS
+  hyperparameters = {}
+  # Position hooks this mixer applies besides the model's embedding term: a subset of {qk, bias}.
+  position_hooks = frozenset()
   # Values of model.attention_backend this mixer implements; () if it has a single path.
   backends = ()
   # A recurrent mixer carries order in its state, so in a hybrid it can sit beside layers that
@@ -28,14 +38,14 @@ class Mixer(nnx.Module):
   recurrent = False
 
   @classmethod
-  def validate(cls, model_config):
+  def validate(cls, settings, model_config):
     """Raise ValueError, naming what is valid, if this mixer cannot be built from the config.
 
     The model checks what all mixers share (names, head counts, position support) first.
     """
-    del model_config
+    del settings, model_config
 
-  def __call__(self, x_BxLxD, positions_L):
+  def __call__(self, x_BxLxD, positions_BxL):
     raise NotImplementedError
 
   def init_cache(self, batch_size, max_length):
@@ -50,3 +60,20 @@ class Mixer(nnx.Module):
   def cache_bytes(self, batch_size, context_length):
     shapes = jax.eval_shape(lambda: self.init_cache(batch_size, context_length))
     return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+
+
+def head_projection(d_model, heads, head_dim, heads_axis, *, rngs, dtype):
+  """x [B, L, D] -> [B, L, heads, H], the kernel's axes (embed, heads_axis, head_dim)."""
+  return nn.dense("BLD,DNH->BLNH", (d_model, heads, head_dim), ("embed", heads_axis, "head_dim"),
+                  rngs=rngs, dtype=dtype)
+
+
+def output_projection(heads, head_dim, d_model, *, rngs, dtype):
+  """[B, L, N, H] -> [B, L, D]."""
+  return nn.dense("BLNH,NHD->BLD", (heads, head_dim, d_model), ("heads", "head_dim", "embed"),
+                  rngs=rngs, dtype=dtype)
+
+
+def new_positions(index, num_tokens):
+  """Positions [1, T] of T new tokens that follow `index` cached ones."""
+  return (index + jnp.arange(num_tokens))[None]

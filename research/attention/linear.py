@@ -3,8 +3,9 @@
   phi(x) = elu(x) + 1   (or relu(x))
   S_i = sum_{j<=i} phi(k_j) v_j^T,   z_i = sum_{j<=i} phi(k_j),
   o_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps).
-With RoPE, phi(q) and phi(k) are rotated in the numerator only, so the denominator stays
-positive (RoFormer, arXiv:2104.09864, eq. 19).
+The position scheme's query/key hooks (RoPE, xPos, ...) act on phi(q) and phi(k) in the numerator
+only, so the denominator stays positive (RoFormer, arXiv:2104.09864, eq. 19). A score bias has no
+place in this form: linear attention honours the qk hook only.
 
 Training uses the chunkwise-parallel form: within a chunk of C tokens a masked [C, C] matmul,
 across chunks the running state (S, z), so nothing of size [batch, length, heads, d, d] is ever
@@ -17,9 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from research import nn
-from research import positions as positions_lib
 from research.attention import base
-
+from research.positions import QK
 
 
 def elu_plus_one(x):
@@ -34,7 +34,8 @@ EPSILON = 1e-6
 def _chunk(carry, chunk):
   """One chunk: outputs from the carried state plus the causal intra-chunk part.
 
-  chunk = (q, k, v) or, with RoPE, (q, k, v, q_rot, k_rot); [B, C, N, H] each, float32.
+  chunk = (q, k, v) or, with a query/key transform, (q, k, v, q_rot, k_rot); [B, C, N, H] each,
+  float32.
   """
   state_BxNxHxH, normalizer_BxNxH = carry
   q, k, v = chunk[:3]
@@ -52,10 +53,12 @@ def _chunk(carry, chunk):
   return (state_BxNxHxH, normalizer_BxNxH), out
 
 
-def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64, rotate=None):
+def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64,
+                             transform_q=None, transform_k=None):
   """Causal linear attention of q, k, v [B, L, N, H] from `state` = (S [B,N,H,H], z [B,N,H]).
 
-  `rotate(x, positions)` applies RoPE to the features (positions 0..L-1 after the state's).
+  `transform_q(phi_q)` / `transform_k(phi_k)` apply the position scheme to the features of the
+  numerator (RoPE rotations, xPos scaling); an identity transform costs nothing.
   Returns (outputs [B, L, N, H] float32, final state).
   """
   b, length, n, h = q.shape
@@ -70,50 +73,48 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
 
   valid = (jnp.arange(padded) < length).reshape(padded // chunk, 1, chunk, 1, 1)
   chunks = (to_chunks(q), to_chunks(k) * valid, to_chunks(v))
-  if rotate is not None:
-    chunks += (to_chunks(rotate(q)), to_chunks(rotate(k)) * valid)
+  q_rot = q if transform_q is None else transform_q(q)
+  k_rot = k if transform_k is None else transform_k(k)
+  if q_rot is not q or k_rot is not k:
+    chunks += (to_chunks(q_rot), to_chunks(k_rot) * valid)
   state, out = jax.lax.scan(jax.checkpoint(_chunk), state, chunks)
   return out.swapaxes(0, 1).reshape(b, padded, n, h)[:, :length], state
 
 
 class LinearAttention(base.Mixer):
-  supported_positions = (positions_lib.NONE, positions_lib.EMBED, positions_lib.QK)
+  hyperparameters = {"feature_map": "elu", "chunk_size": 64}
+  position_hooks = frozenset({QK})
 
   @classmethod
-  def validate(cls, model_config):
-    if model_config.linear_feature_map not in FEATURE_MAPS:
-      raise ValueError(f"unknown model.linear_feature_map {model_config.linear_feature_map!r}; "
+  def validate(cls, settings, model_config):
+    if settings.feature_map not in FEATURE_MAPS:
+      raise ValueError(f"unknown model.linear.feature_map {settings.feature_map!r}; "
                        f"valid: {', '.join(FEATURE_MAPS)}")
-    if model_config.linear_chunk_size < 1:
-      raise ValueError(f"model.linear_chunk_size must be >= 1, got {model_config.linear_chunk_size}")
+    if settings.chunk_size < 1:
+      raise ValueError(f"model.linear.chunk_size must be >= 1, got {settings.chunk_size}")
 
-  def __init__(self, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs):
     d, n = model_config.d_model, model_config.num_heads
     h = d // n
     self.position = position
     self.num_heads, self.head_dim = n, h
-    self.feature_map = model_config.linear_feature_map
-    self.chunk_size = model_config.linear_chunk_size
+    self.feature_map = settings.feature_map
+    self.chunk_size = int(settings.chunk_size)
     self.dtype = nn.compute_dtype(model_config)
-    project = lambda: nn.dense("BLD,DNH->BLNH", (d, n, h), ("embed", "heads", "head_dim"),
-                               rngs=rngs, dtype=self.dtype)
-    self.query, self.key, self.value = project(), project(), project()
-    self.out = nn.dense("BLNH,NHD->BLD", (n, h, d), ("heads", "head_dim", "embed"), rngs=rngs,
-                        dtype=self.dtype)
+    self.query, self.key, self.value = (
+        base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype) for _ in range(3))
+    self.out = base.output_projection(n, h, d, rngs=rngs, dtype=self.dtype)
 
-  def _mix(self, x_BxTxD, state, index):
-    rotate = None
-    if self.position.kind == positions_lib.QK:
-      positions_T = index + jnp.arange(x_BxTxD.shape[1])
-      rotate = lambda x: self.position.rotate(x, positions_T)
+  def _mix(self, x_BxTxD, state, positions_BxT):
     y, state = chunked_linear_attention(
         self.query(x_BxTxD), self.key(x_BxTxD), self.value(x_BxTxD), state,
-        feature_map=self.feature_map, chunk_size=self.chunk_size, rotate=rotate)
+        feature_map=self.feature_map, chunk_size=self.chunk_size,
+        transform_q=lambda x: self.position.queries(x, positions_BxT),
+        transform_k=lambda x: self.position.keys(x, positions_BxT))
     return self.out(y.astype(self.dtype)), state
 
-  def __call__(self, x_BxLxD, positions_L):
-    del positions_L  # the sequence starts at position 0
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), 0)[0]
+  def __call__(self, x_BxLxD, positions_BxL):
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), positions_BxL)[0]
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
@@ -121,7 +122,7 @@ class LinearAttention(base.Mixer):
     return (jnp.zeros((batch_size, n, h, h), jnp.float32), jnp.zeros((batch_size, n, h), jnp.float32))
 
   def decode(self, x_BxTxD, cache, index):
-    return self._mix(x_BxTxD, cache, index)
+    return self._mix(x_BxTxD, cache, base.new_positions(index, x_BxTxD.shape[1]))
 
   def mixing_flops_per_token(self, context_length):
     n, h, c = self.num_heads, self.head_dim, min(self.chunk_size, context_length)

@@ -9,18 +9,18 @@ import jax
 import jax.numpy as jnp
 
 
-def softmax_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, slopes_N=None):
-  """Causal softmax(q k^T / sqrt(H) - slope (i - j)) v with K/V heads repeated to N."""
+def softmax_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_BxNxTxS=None, scale=None):
+  """Causal softmax(scale q k^T + bias) v with K/V heads repeated to N; scale 1/sqrt(H)."""
   n, h = q_BxTxNxH.shape[2:]
   group = n // k_BxSxKxH.shape[2]
   k = jnp.repeat(k_BxSxKxH, group, axis=2)
   v = jnp.repeat(v_BxSxKxH, group, axis=2)
-  logits = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k) / jnp.sqrt(h)
+  logits = jnp.einsum("btnh,bsnh->bnts", q_BxTxNxH, k) * (h ** -0.5 if scale is None else scale)
+  if bias_BxNxTxS is not None:
+    logits = logits + bias_BxNxTxS
   t, s = logits.shape[-2:]
-  distance = (jnp.arange(t)[:, None] - jnp.arange(s)[None, :]).astype(jnp.float32)
-  if slopes_N is not None:
-    logits = logits - slopes_N[:, None, None] * distance
-  logits = jnp.where(distance >= 0, logits, -jnp.inf)
+  causal = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
+  logits = jnp.where(causal, logits, -jnp.inf)
   return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v)
 
 

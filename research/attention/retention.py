@@ -5,7 +5,7 @@
   recurrent (decoding):  S_n = gamma S_{n-1} + k_n^T v_n,  o_n = q_n S_n / sqrt(d)
 with one decay per head, gamma_h = 1 - 2^(-5 - h) (multi-scale retention). The paper's GroupNorm
 and swish gate are left out: this is the mixer alone, like the other entries of the registry.
-It is also the worked example of adding a variant (README, "Add a variant").
+It is also the worked example of adding a variant (the mixer example in docs/architecture.md).
 """
 
 import jax
@@ -13,34 +13,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from research import nn
-from research import positions as positions_lib
 from research.attention import base
+from research.positions import QK
 
 
 class Retention(base.Mixer):
-  supported_positions = (positions_lib.NONE, positions_lib.EMBED, positions_lib.QK)
+  position_hooks = frozenset({QK})
 
-  def __init__(self, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs):
+    del settings  # no hyperparameters
     d, n = model_config.d_model, model_config.num_heads
     h = d // n
     self.position, self.num_heads, self.head_dim = position, n, h
     self.gamma = 1.0 - 2.0 ** (-5.0 - np.arange(n))
     dtype = nn.compute_dtype(model_config)
-    project = lambda: nn.dense("BLD,DNH->BLNH", (d, n, h), ("embed", "heads", "head_dim"),
-                               rngs=rngs, dtype=dtype)
-    self.query, self.key, self.value = project(), project(), project()
-    self.out = nn.dense("BLNH,NHD->BLD", (n, h, d), ("heads", "head_dim", "embed"), rngs=rngs,
-                        dtype=dtype)
+    self.query, self.key, self.value = (
+        base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype) for _ in range(3))
+    self.out = base.output_projection(n, h, d, rngs=rngs, dtype=dtype)
 
-  def _project(self, x_BxTxD, positions_T):
+  def _project(self, x_BxTxD, positions_BxT):
     q, k, v = (f(x_BxTxD).astype(jnp.float32) for f in (self.query, self.key, self.value))
-    if self.position.kind == positions_lib.QK:
-      q, k = self.position.rotate(q, positions_T), self.position.rotate(k, positions_T)
+    q, k = self.position.queries(q, positions_BxT), self.position.keys(k, positions_BxT)
     return q / np.sqrt(self.head_dim), k, v
 
-  def __call__(self, x_BxLxD, positions_L):
-    q, k, v = self._project(x_BxLxD, positions_L)
-    distance_LxL = positions_L[:, None] - positions_L[None, :]
+  def __call__(self, x_BxLxD, positions_BxL):
+    q, k, v = self._project(x_BxLxD, positions_BxL)
+    index_L = jnp.arange(x_BxLxD.shape[1])  # the decay counts tokens, not positions
+    distance_LxL = index_L[:, None] - index_L[None, :]
     decay_NxLxL = jnp.where(distance_LxL >= 0,
                             self.gamma[:, None, None] ** jnp.maximum(distance_LxL, 0), 0.0)
     scores = jnp.einsum("blnh,bsnh->bnls", q, k) * decay_NxLxL
@@ -52,7 +51,7 @@ class Retention(base.Mixer):
     return jnp.zeros((batch_size, self.num_heads, h, h), jnp.float32)
 
   def decode(self, x_BxTxD, state_BxNxHxH, index):
-    q, k, v = self._project(x_BxTxD, index + jnp.arange(x_BxTxD.shape[1]))
+    q, k, v = self._project(x_BxTxD, base.new_positions(index, x_BxTxD.shape[1]))
     gamma_N = jnp.asarray(self.gamma, jnp.float32)
 
     def step(state, qkv):

@@ -1,30 +1,37 @@
 """Softmax attention with num_kv_heads key/value heads: MHA, MQA and GQA.
 
-  softmax(q k^T / sqrt(d_k) + bias, causal) v            (Vaswani et al., arXiv:1706.03762)
-GQA (Ainslie et al., arXiv:2305.13245): K key/value heads shared by groups of N / K query heads;
-K = N is MHA, K = 1 is MQA (Shazeer, arXiv:1911.02150). K/V are never repeated in memory.
-KV cache bytes = 2 * K * head_dim * bytes_per_value * tokens * batch per layer.
+  softmax(m q k^T / sqrt(d_k) + bias, causal) v           (Vaswani et al., arXiv:1706.03762)
+with q, k after the position scheme's query/key hooks, bias its score bias and m its logit scale
+(YaRN's temperature; 1 otherwise). GQA (Ainslie et al., arXiv:2305.13245): K key/value heads
+shared by groups of N / K query heads; K = N is MHA, K = 1 is MQA (Shazeer, arXiv:1911.02150).
+K/V are never repeated in memory. KV cache bytes = 2 * K * head_dim * bytes_per_value * tokens
+* batch per layer.
 
-Backends (model.attention_backend):
-  xla        jax.nn.dot_product_attention(implementation="xla")
-  blockwise  research.attention.blockwise: exact, online softmax, O(length) memory
+One score path (model.attention_backend):
+  xla        jax.nn.dot_product_attention(implementation="xla"), the bias materialised
+  blockwise  research.attention.blockwise: exact, online softmax, O(length) memory; the same bias
+             function evaluated per tile, forward and backward (gradients to its parameters too)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU only
-Decoding always takes the xla path: one query block against the cache is already small.
+Decoding takes the xla path: the new queries against the cache, the bias of the new positions
+against the cached ones.
 """
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from research import nn
-from research import positions as positions_lib
 from research.attention import base
 from research.attention.blockwise import blockwise_attention
+from research.positions import BIAS, QK
 
 BACKENDS = ("xla", "blockwise", "cudnn")
 
 
 class SoftmaxAttention(base.Mixer):
   """Base of mha / mqa / gqa; subclasses say how many key/value heads."""
+  hyperparameters = {"block_size": 128}  # blockwise backend: query and key block length
+  position_hooks = frozenset({QK, BIAS})
   backends = BACKENDS
 
   @classmethod
@@ -32,7 +39,7 @@ class SoftmaxAttention(base.Mixer):
     raise NotImplementedError
 
   @classmethod
-  def validate(cls, model_config):
+  def validate(cls, settings, model_config):
     heads, kv = model_config.num_heads, cls.kv_heads(model_config)
     if kv < 1 or heads % kv:
       divisors = [d for d in range(1, heads + 1) if heads % d == 0]
@@ -46,52 +53,51 @@ class SoftmaxAttention(base.Mixer):
     if backend == "cudnn" and model_config.compute_dtype not in ("bfloat16", "float16"):
       raise ValueError(f"attention_backend 'cudnn' needs compute_dtype bfloat16 or float16, got "
                        f"{model_config.compute_dtype!r}")
-    if model_config.block_size < 1:
-      raise ValueError(f"model.block_size must be >= 1, got {model_config.block_size}")
+    if settings.block_size < 1:
+      raise ValueError(f"model.softmax.block_size must be >= 1, got {settings.block_size}")
 
-  def __init__(self, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs):
     d, n = model_config.d_model, model_config.num_heads
     k, h = self.kv_heads(model_config), model_config.d_model // model_config.num_heads
     self.position = position
     self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
     self.backend = model_config.attention_backend
-    self.block_size = model_config.block_size
+    self.block_size = int(settings.block_size)
     self.dtype = nn.compute_dtype(model_config)
-    project = lambda heads, axis: nn.dense(
-        "BLD,DNH->BLNH", (d, heads, h), ("embed", axis, "head_dim"), rngs=rngs, dtype=self.dtype)
-    self.query = project(n, "heads")
-    self.key = project(k, "kv_heads")
-    self.value = project(k, "kv_heads")
-    self.out = nn.dense("BLNH,NHD->BLD", (n, h, d), ("heads", "head_dim", "embed"), rngs=rngs,
-                        dtype=self.dtype)
+    self.query = base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype)
+    self.key = base.head_projection(d, k, h, "kv_heads", rngs=rngs, dtype=self.dtype)
+    self.value = base.head_projection(d, k, h, "kv_heads", rngs=rngs, dtype=self.dtype)
+    self.out = base.output_projection(n, h, d, rngs=rngs, dtype=self.dtype)
 
-  def _project(self, x_BxLxD, positions_L):
-    q, k, v = self.query(x_BxLxD), self.key(x_BxLxD), self.value(x_BxLxD)
-    if self.position.kind == positions_lib.QK:
-      # YaRN's temperature sqrt(1/t) on q and k: the logits are scaled by 1/t, once.
-      m = self.position.magnitude()
-      q, k = self.position.rotate(q, positions_L) * m, self.position.rotate(k, positions_L) * m
-    return q, k, v
+  def _project(self, x_BxTxD, positions_BxT):
+    q = self.position.queries(self.query(x_BxTxD), positions_BxT)
+    k = self.position.keys(self.key(x_BxTxD), positions_BxT)
+    return q, k, self.value(x_BxTxD)
 
-  def _slopes(self):
-    if self.position.kind == positions_lib.BIAS:
-      return self.position.slopes(self.num_heads)
-    return None
+  def _scale(self):
+    return self.position.logit_scale() / self.head_dim ** 0.5
 
-  def _dot_product(self, q, k, v, q_positions_T, k_positions_S, causal, implementation):
-    bias = None
-    if self.position.kind == positions_lib.BIAS:
-      bias = self.position.bias(self.num_heads, q_positions_T, k_positions_S)[None].astype(q.dtype)
-    mask = None if causal else (k_positions_S[None, :] <= q_positions_T[:, None])[None, None]
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=causal,
-                                        implementation=implementation)
+  def _bias_function(self):
+    """(bias_fn(params, q_positions, k_positions), params): the scheme's bias, as a function
+    of its parameters, for the blockwise kernel to evaluate (and differentiate) per tile."""
+    graphdef, params = nnx.split(self.position)
+    return (lambda p, q_positions, k_positions:
+            nnx.merge(graphdef, p).bias(q_positions, k_positions)), params
 
-  def __call__(self, x_BxLxD, positions_L):
-    q, k, v = self._project(x_BxLxD, positions_L)
+  def _dot_product(self, q, k, v, q_positions, k_positions, mask, implementation):
+    bias = self.position.bias(q_positions, k_positions)
+    bias = None if bias is None else bias.astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=mask is None,
+                                        scale=self._scale(), implementation=implementation)
+
+  def __call__(self, x_BxLxD, positions_BxL):
+    q, k, v = self._project(x_BxLxD, positions_BxL)
     if self.backend == "blockwise":
-      y = blockwise_attention(q, k, v, self._slopes(), block_size=self.block_size)
+      bias_fn, bias_params = self._bias_function()
+      y = blockwise_attention(q, k, v, positions_BxL, bias_fn, bias_params,
+                              block_size=self.block_size, scale=self._scale())
     else:
-      y = self._dot_product(q, k, v, positions_L, positions_L, True, self.backend)
+      y = self._dot_product(q, k, v, positions_BxL, positions_BxL, None, self.backend)
     return self.out(y)
 
   def init_cache(self, batch_size, max_length):
@@ -99,14 +105,16 @@ class SoftmaxAttention(base.Mixer):
     return {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
 
   def decode(self, x_BxTxD, cache, index):
-    positions_T = index + jnp.arange(x_BxTxD.shape[1])
-    q, k, v = self._project(x_BxTxD, positions_T)
+    positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
+    q, k, v = self._project(x_BxTxD, positions_1xT)
     cache = {"key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(self.dtype), index, 1),
              "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(self.dtype), index, 1)}
-    # Slots after index + T are still empty; the causal mask hides them like the future.
+    # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
     capacity = cache["key"].shape[1]
-    k_positions_S = jnp.arange(capacity)
-    y = self._dot_product(q, cache["key"], cache["value"], positions_T, k_positions_S, False, "xla")
+    k_positions_1xS = jnp.arange(capacity)[None]
+    mask = (k_positions_1xS[0][None, :] <= positions_1xT[0][:, None])[None, None]
+    y = self._dot_product(q, cache["key"], cache["value"], positions_1xT, k_positions_1xS, mask,
+                          "xla")
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
     y = jnp.where(index + x_BxTxD.shape[1] <= capacity, y, jnp.nan)

@@ -7,7 +7,7 @@
   h_t = exp(delta_t A) * h_{t-1} + delta_t B_t x_t,   y_t = C_t h_t + D x_t
   out = out_proj(y * silu(z))
 The scan runs in chunks: inside a chunk an associative scan (accelerators) or a token-by-token
-scan (CPU; model.ssm_scan), across chunks the carried state;
+scan (CPU; model.mamba.scan), across chunks the carried state;
 each chunk is rematerialised in the backward pass, so memory grows with length as
 [batch, length, d_inner] plus one [batch, d_inner, N] state per chunk, never
 [batch, length, d_inner, N]. The decode state is the conv window and the SSM state.
@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research import nn
-from research import positions as positions_lib
 from research.attention import base
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -59,7 +58,7 @@ SCANS = {"associative": _associative_chunk, "sequential": _sequential_chunk}
 
 
 def scan_for_backend(name):
-  """model.ssm_scan: "auto" is sequential on CPU and associative on accelerators."""
+  """model.mamba.scan: "auto" is sequential on CPU and associative on accelerators."""
   if name == "auto":
     return "sequential" if jax.default_backend() == "cpu" else "associative"
   return name
@@ -93,51 +92,59 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
 
 
 class Mamba(base.Mixer):
-  supported_positions = (positions_lib.NONE, positions_lib.EMBED)
+  hyperparameters = {"state_size": 16, "conv_width": 4, "expand": 2,
+                     "dt_rank": 0,  # 0: ceil(d_model / 16)
+                     "chunk_size": 64,
+                     "scan": "auto"}  # within a chunk: associative | sequential | auto
   recurrent = True
 
   @classmethod
-  def validate(cls, model_config):
-    for field in ("ssm_state_size", "ssm_conv_width", "ssm_expand", "ssm_chunk_size"):
-      if model_config[field] < 1:
-        raise ValueError(f"model.{field} must be >= 1, got {model_config[field]}")
-    if model_config.ssm_scan not in ("auto", *SCANS):
-      raise ValueError(f"unknown model.ssm_scan {model_config.ssm_scan!r}; valid: auto, "
+  def validate(cls, settings, model_config):
+    for field in ("state_size", "conv_width", "expand", "chunk_size"):
+      if settings[field] < 1:
+        raise ValueError(f"model.mamba.{field} must be >= 1, got {settings[field]}")
+    if settings.dt_rank < 0:
+      raise ValueError(f"model.mamba.dt_rank must be >= 0 (0: ceil(d_model / 16)), got "
+                       f"{settings.dt_rank}")
+    if settings.scan not in ("auto", *SCANS):
+      raise ValueError(f"unknown model.mamba.scan {settings.scan!r}; valid: auto, "
                        f"{', '.join(SCANS)}")
 
-  def __init__(self, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs):
+    del position  # order comes from the recurrence; the embedding hook is the model's
     d = model_config.d_model
-    e = model_config.ssm_expand * d
-    n = model_config.ssm_state_size
-    r = model_config.ssm_dt_rank or math.ceil(d / 16)
+    e = settings.expand * d
+    n = settings.state_size
+    r = settings.dt_rank or math.ceil(d / 16)
     self.d_inner, self.state_size, self.dt_rank = e, n, r
-    self.conv_width = model_config.ssm_conv_width
-    self.chunk_size = model_config.ssm_chunk_size
-    self.scan = scan_for_backend(model_config.ssm_scan)
+    self.conv_width = int(settings.conv_width)
+    self.chunk_size = int(settings.chunk_size)
+    self.scan = scan_for_backend(settings.scan)
     self.dtype = dtype = nn.compute_dtype(model_config)
     self.in_proj = nn.dense("BLD,DE->BLE", (d, 2 * e), ("embed", "mlp"), rngs=rngs, dtype=dtype)
-    self.conv_kernel = nnx.Param(
-        nnx.initializers.lecun_normal(in_axis=0, out_axis=1)(
-            rngs.params(), (self.conv_width, e)), logical_axes=("conv", "mlp"))
-    self.conv_bias = nnx.Param(jnp.zeros((e,)), logical_axes=("mlp",))
+    self.conv_kernel = nn.param(
+        nnx.initializers.lecun_normal(in_axis=0, out_axis=1)(rngs.params(), (self.conv_width, e)),
+        ("conv", "mlp"), weight_decay=True)
+    self.conv_bias = nn.param(jnp.zeros((e,)), ("mlp",), weight_decay=False)
     self.x_proj = nn.dense("BLE,EF->BLF", (e, r + 2 * n), ("mlp", "ssm_proj"), rngs=rngs,
                            dtype=dtype)
     self.dt_proj = nn.dense(
         "BLR,RE->BLE", (r, e), ("ssm_proj", "mlp"), bias_shape=(e,), bias_axes=("mlp",),
         rngs=rngs, dtype=dtype, bias_init=_dt_bias_init,
         init=lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -r ** -0.5, r ** -0.5))
-    self.A_log = nnx.Param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))),
-                           logical_axes=("mlp", "state"))
-    self.D = nnx.Param(jnp.ones((e,)), logical_axes=("mlp",))
+    # A = -exp(A_log) and the skip D are decay rates and gains, not weights: no weight decay.
+    self.A_log = nn.param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))),
+                          ("mlp", "state"), weight_decay=False)
+    self.D = nn.param(jnp.ones((e,)), ("mlp",), weight_decay=False)
     self.out_proj = nn.dense("BLE,ED->BLD", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
 
   def _conv(self, x_BxTxE, window_BxWxE):
     """Causal depthwise conv of x after the cached window of the previous width - 1 inputs."""
     full = jnp.concatenate([window_BxWxE.astype(x_BxTxE.dtype), x_BxTxE], axis=1)
-    kernel = self.conv_kernel.value.astype(x_BxTxE.dtype)
+    kernel = self.conv_kernel[...].astype(x_BxTxE.dtype)
     t = x_BxTxE.shape[1]
     y = sum(full[:, i:i + t] * kernel[i] for i in range(self.conv_width))
-    return y + self.conv_bias.value.astype(y.dtype), full[:, t:]
+    return y + self.conv_bias[...].astype(y.dtype), full[:, t:]
 
   def _mix(self, u_BxTxD, cache):
     x, z = jnp.split(self.in_proj(u_BxTxD), 2, axis=-1)
@@ -145,15 +152,15 @@ class Mamba(base.Mixer):
     x = jax.nn.silu(x)
     dt, B, C = jnp.split(self.x_proj(x), [self.dt_rank, self.dt_rank + self.state_size], axis=-1)
     delta = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))
-    A = -jnp.exp(self.A_log.value)
+    A = -jnp.exp(self.A_log[...])
     x32 = x.astype(jnp.float32)
     y, h = chunked_selective_scan(x32, delta, A, B.astype(jnp.float32), C.astype(jnp.float32),
                                   cache["ssm"], chunk_size=self.chunk_size, scan=self.scan)
-    y = (y + self.D.value * x32).astype(self.dtype) * jax.nn.silu(z)
+    y = (y + self.D[...] * x32).astype(self.dtype) * jax.nn.silu(z)
     return self.out_proj(y), {"conv": window, "ssm": h}
 
-  def __call__(self, x_BxLxD, positions_L):
-    del positions_L  # order comes from the recurrence
+  def __call__(self, x_BxLxD, positions_BxL):
+    del positions_BxL  # order comes from the recurrence
     return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0))[0]
 
   def init_cache(self, batch_size, max_length):

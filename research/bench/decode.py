@@ -2,7 +2,7 @@
 
 A small reference model (2 layers, d_model 256, 8 heads, head_dim 32, no position scheme so
 that only the mixer differs) decodes one token with its cache sized to the context being
-measured (design.md, section 6) and filled up to it: cache["index"] is set to context - 1
+measured and filled up to it: cache["index"] is set to context - 1
 instead of prefilling, which does not change the work of a step, and every timed step keeps
 that index, so each one attends over the whole context. The step is `nnx.split` / `merge`
 inside `jax.jit` with the cache donated. Bytes: `model.cache_bytes` for every type, and for
@@ -26,22 +26,28 @@ BATCH, LAYERS, D_MODEL, HEADS = 1, 2, 256, 8
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (256, 1024)
 STEPS, WARMUP = 64, 3  # timed and warm-up decode steps per point
-# name -> model-config overrides
-VARIANTS = {
-    "mha": {"attention": "mha"},
-    "gqa_kv4": {"attention": "gqa", "num_kv_heads": 4},
-    "gqa_kv2": {"attention": "gqa", "num_kv_heads": 2},
-    "mqa": {"attention": "mqa"},
-    "linear": {"attention": "linear"},
-    "mamba": {"attention": "mamba"},
-}
-SOFTMAX = ("mha", "gqa", "mqa")
+
+
+def variants():
+  """name -> model-config overrides: every registered mixer, gqa at 4 and 2 key/value heads."""
+  table = {}
+  for name in attention.REGISTRY:
+    if name == "gqa":
+      table.update(gqa_kv4={"attention": "gqa", "num_kv_heads": 4},
+                   gqa_kv2={"attention": "gqa", "num_kv_heads": 2})
+    else:
+      table[name] = {"attention": name}
+  return table
+
+
+def _is_softmax(config):
+  return issubclass(attention.REGISTRY.lookup(config.attention), attention.SoftmaxAttention)
 
 
 def model_config(variant, dtype):
   config = base.get_config().model
   config.update(num_layers=LAYERS, d_model=D_MODEL, num_heads=HEADS, position="none",
-                compute_dtype=dtype, **VARIANTS[variant])
+                compute_dtype=dtype, **variants()[variant])
   return config
 
 
@@ -51,7 +57,7 @@ def kv_heads(config):
 
 def analytic_kv_bytes(config, context):
   """2 * layers * kv_heads * head_dim * bytes * tokens * batch, softmax types only."""
-  if config.attention not in SOFTMAX:
+  if not _is_softmax(config):
     return None
   itemsize = jnp.dtype(nn.compute_dtype(config)).itemsize
   head_dim = config.d_model // config.num_heads
@@ -91,7 +97,7 @@ def measure_variant(variant, contexts, dtype, steps, warmup):
     cache["index"] = jnp.asarray(context - 1, jnp.int32)
     times = step_latencies(step, state, token, cache, steps, warmup)
     rows.append({"variant": variant, "attention": config.attention,
-                 "kv_heads": kv_heads(config) if config.attention in SOFTMAX else None,
+                 "kv_heads": kv_heads(config) if _is_softmax(config) else None,
                  "context": context, "dtype": dtype,
                  "latency_ms": round(1e3 * statistics.median(times), 4), "steps": steps,
                  "cache_bytes": model.cache_bytes(BATCH, context),
@@ -104,7 +110,7 @@ def run(args):
   """Rows for every variant x context of `args` (lengths, dtype, quick)."""
   contexts = sorted(args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS))
   steps, warmup = (2, 1) if args.quick else (STEPS, WARMUP)
-  return [row for variant in VARIANTS
+  return [row for variant in variants() if not args.only or variant in args.only
           for row in measure_variant(variant, contexts, args.dtype, steps, warmup)]
 
 

@@ -8,8 +8,10 @@ compiled once (its memory read from XLA's analysis, at every length) and timed u
 temporary memory or forecast run time is over budget (then the skip and its reason are recorded).
 
 Kernels: softmax `xla` (jax.nn.dot_product_attention, causal), `blockwise` (exact, online
-softmax), `cudnn` (GPU only); `linear` (chunked) against `linear_naive` (materialised cumulative
-sum); `mamba` (chunked scan, model.ssm_scan="auto") against `mamba_assoc` (one associative scan over all states) and
+softmax), `blockwise_<scheme>` for every registered position scheme with a score bias (the bias
+evaluated per tile, gradients to its parameters included), `cudnn` (GPU only); `linear`
+(chunked) against `linear_naive` (materialised cumulative sum); `mamba` (chunked scan,
+model.mamba.scan="auto") against `mamba_assoc` (one associative scan over all states) and
 `mamba_sequential` (lax.scan, one step per token).
 """
 
@@ -19,7 +21,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from configs import base
+from research import positions
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
@@ -29,19 +34,21 @@ from research.bench import timing
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 D_INNER, STATE_SIZE = 1024, 16
-BLOCK_SIZE = 128  # blockwise query/key block: model.block_size's default
-LINEAR_CHUNK = SSM_CHUNK = 64  # model.linear_chunk_size and model.ssm_chunk_size defaults
+BLOCK_SIZE = 128  # blockwise query/key block: model.softmax.block_size's default
+LINEAR_CHUNK = SSM_CHUNK = 64  # model.linear.chunk_size and model.mamba.chunk_size defaults
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (256, 1024)
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """A kernel to benchmark: `fn(*inputs) -> output`, inputs from `shapes(length)`."""
+  """A kernel to benchmark: `fn(*inputs[, params]) -> output`, inputs from `shapes(length)`;
+  `params` (a position scheme's) are differentiated too."""
   name: str
   family: str
   fn: Callable
   shapes: Callable
+  params: object = None
 
 
 def _attention_shapes(length):
@@ -64,6 +71,22 @@ def _cudnn(q, k, v):
 
 def _blockwise(q, k, v):
   return blockwise_attention(q, k, v, block_size=BLOCK_SIZE)
+
+
+def _bias_kernel(name):
+  """blockwise attention with scheme `name`'s score bias, at its default settings."""
+  config = base.get_config().model
+  config.update(dict(position=name, num_heads=HEADS, d_model=HEADS * HEAD_DIM))
+  graphdef, params = nnx.split(positions.build(config, rngs=nnx.Rngs(0)))
+
+  def bias_fn(p, q_positions, k_positions):
+    return nnx.merge(graphdef, p).bias(q_positions, k_positions)
+
+  def fn(q, k, v, p):
+    return blockwise_attention(q, k, v, jnp.arange(q.shape[1])[None], bias_fn, p,
+                               block_size=BLOCK_SIZE)
+
+  return Kernel(f"blockwise_{name}", "softmax", fn, _attention_shapes, params)
 
 
 def _linear(q, k, v):
@@ -95,6 +118,8 @@ def kernels(backend=None):
   backend = backend or jax.default_backend()
   table = [Kernel("xla", "softmax", _xla, _attention_shapes),
            Kernel("blockwise", "softmax", _blockwise, _attention_shapes)]
+  table += [_bias_kernel(name) for name, cls in positions.REGISTRY.items()
+            if positions.BIAS in cls.hooks()]
   if backend == "gpu":
     table.append(Kernel("cudnn", "softmax", _cudnn, _attention_shapes))
   table += [Kernel("linear", "linear", _linear, _attention_shapes),
@@ -120,20 +145,24 @@ def make_inputs(kernel, length, dtype, seed=0):
   inputs = tuple(jax.random.normal(key, shape, dtype)
                  for key, shape in zip(keys, kernel.shapes(length)))
   inputs = _ssm_inputs(kernel, inputs)
-  out = jax.eval_shape(kernel.fn, *inputs)
+  out = jax.eval_shape(lambda *a: _apply(kernel, kernel.params, a), *inputs)
   return inputs, jax.random.normal(keys[-1], out.shape, out.dtype)
+
+
+def _apply(kernel, params, inputs):
+  return kernel.fn(*inputs) if params is None else kernel.fn(*inputs, params)
 
 
 def forward_backward(kernel):
   """grad of <kernel(inputs), cotangent> w.r.t. every input; the cotangent is the last argument."""
 
-  def loss(*args):
+  def loss(params, *args):
     *inputs, cotangent = args
-    out = kernel.fn(*inputs)
+    out = _apply(kernel, params, inputs)
     return jnp.vdot(out.astype(jnp.float32), cotangent.astype(jnp.float32))
 
-  def grads(*args):
-    return jax.grad(loss, argnums=tuple(range(len(args) - 1)))(*args)
+  def grads(*args):  # w.r.t. the parameters (if any) and every input, not the cotangent
+    return jax.grad(loss, argnums=tuple(range(len(args))))(kernel.params, *args)
 
   return grads
 
@@ -178,6 +207,8 @@ def run(args):
                          seconds_per_point=2.0 if args.quick else 8.0)
   rows = []
   for kernel in kernels():
+    if args.only and kernel.name not in args.only:
+      continue
     history = []
     for length in sorted(lengths):
       try:
@@ -212,6 +243,19 @@ def summary(rows):
   mamba_time = report.ratio(get("time_ms", "mamba", 4096),
                             get("time_ms", "mamba_sequential", 4096))
   f = report.fmt_ratio
+  bias_lines = []
+  for name in sorted({row["kernel"] for row in rows if row["kernel"].startswith("blockwise_")}):
+    if name == "blockwise_alibi":
+      continue
+    memory = report.ratio(get("temp_bytes", name, 4096), get("temp_bytes", "blockwise_alibi", 4096))
+    growth = report.ratio(get("temp_bytes", name, 8192), get("temp_bytes", name, 1024))
+    time_ratio = report.ratio(get("time_ms", name, 4096), get("time_ms", "blockwise_alibi", 4096))
+    bias_lines += [
+        f"{name} / blockwise_alibi temp memory at 4096 = {f(memory)} (target <= 2x): "
+        f"{report.verdict(memory, 2)}; its growth 8192/1024 = {f(growth)} (target <= 10x): "
+        f"{report.verdict(growth, 10)}",
+        f"{name} / blockwise_alibi fwd+bwd time at 4096 = {f(time_ratio)} (target <= 1.5x): "
+        f"{report.verdict(time_ratio, 1.5)}"]
   lines = [
       f"blockwise temp memory 8192/1024 = {f(blockwise_growth)} (target <= 10x; xla = "
       f"{f(xla_growth)}): {report.verdict(blockwise_growth, 10)}",
@@ -225,7 +269,7 @@ def summary(rows):
       f"{report.verdict(mamba_memory, 20, at_most=False)}",
       f"mamba / mamba_sequential fwd+bwd time at 4096 = {f(mamba_time)} (target <= 1x): "
       f"{report.verdict(mamba_time, 1)}",
-  ]
+  ] + bias_lines
   for length in (1024, 4096):
     cells = [f"{kernel} {_fmt_mib(_temp_mib(rows, kernel, length))}"
              for kernel in ("xla", "blockwise")]

@@ -1,4 +1,4 @@
-"""Timing and compiled-memory helpers shared by the benchmark suites (design.md, section 6).
+"""Timing and compiled-memory helpers shared by the benchmark suites.
 
 Time: compile once, warm up, then the median wall time of repeated calls, each ended by
 `block_until_ready`. Memory: XLA's compiled memory analysis, which needs no allocation, so it

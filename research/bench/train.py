@@ -19,15 +19,23 @@ import optax
 from flax import nnx
 
 from configs import base
+from research import attention
 from research import data
 from research import flops
+from research import positions
 from research import model as model_lib
 from research import train as train_lib
 from research.bench import report
 
-VARIANTS = (("mha", "rope"), ("gqa", "rope"), ("mqa", "rope"), ("linear", "rope"),
-            ("mamba", "none"))
 QUICK_VARIANTS = (("mha", "rope"), ("linear", "rope"))
+
+
+def variants():
+  """Every mixer with RoPE (or no positions where it cannot take them), then MHA with every
+  other position scheme: read from the registries."""
+  mixers = [(name, "rope" if "rope" in model_lib.compatible_positions(cls) else "none")
+            for name, cls in attention.REGISTRY.items()]
+  return mixers + [("mha", p) for p in positions.REGISTRY if p != "rope"]
 TOKENS_PER_BATCH = 4096  # batch 32 x length 128
 LENGTHS, QUICK_LENGTHS = (128, 512), (32,)
 
@@ -35,8 +43,7 @@ LENGTHS, QUICK_LENGTHS = (128, 512), (32,)
 def reference_config(attention, position, seq_len, num_steps, dtype):
   config = base.get_config()
   config.model.update(dict(attention=attention, position=position, num_layers=2, d_model=128,
-                           num_heads=4, num_kv_heads=2, compute_dtype=dtype,
-                           rope_original_length=seq_len))
+                           num_heads=4, num_kv_heads=2, compute_dtype=dtype))
   config.train.update(dict(seq_len=seq_len, batch_size=max(TOKENS_PER_BATCH // seq_len, 1),
                            num_steps=num_steps, warmup_steps=1, log_every=num_steps // 2,
                            checkpoint_every=num_steps, eval_batches=1))
@@ -85,7 +92,9 @@ def run(args):
   num_steps = 4 if args.quick else 40
   peak = flops.total_peak_flops()
   rows = []
-  for attention, position in QUICK_VARIANTS if args.quick else VARIANTS:
+  for attention, position in QUICK_VARIANTS if args.quick else variants():
+    if args.only and f"{attention}/{position}" not in args.only:
+      continue
     for seq_len in lengths:
       config = reference_config(attention, position, seq_len, num_steps, args.dtype)
       model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))

@@ -12,9 +12,10 @@ config per task parameters, `train` examples of random length and depth padded t
 `validation_<L>_depth<i>`, `test_<L>_depth<i>` splits of exactly L inputs for every evaluation
 length L and every i-th depth of eval.depths, each seeded by (seed, split, L, i).
 
-ByteCorpus: one example per file, features `path` and `text` (the file's raw bytes), in
-relative-path order, splits train / validation / test as assigned by research.data.corpus; a
-builder config per file list, named `<label>_<hash>` of (relative path, size, mtime) of every file.
+ByteCorpus: one example per corpus file (a whole file, or a byte range of one), features `path`
+and `text` (its raw bytes, decompressed if gzip), in relative-path order, splits train /
+validation / test as assigned by research.data.corpus; a builder config per file list, named
+`<label>_<hash>` of (split, relative path, byte range, gzip, mtime) of every entry.
 """
 
 import dataclasses
@@ -177,7 +178,7 @@ class CorpusConfig(tfds.core.BuilderConfig):
 
 def corpus_config(label, files):
   """The builder config of a corpus made of `files` (research.data.corpus.CorpusFile)."""
-  key = [(f.split, f.relpath, f.size, f.mtime_ns) for f in files]
+  key = [(f.split, f.relpath, f.start, f.end, f.gzipped, f.mtime_ns) for f in files]
   return CorpusConfig(name=f"{label}_{_digest(key)}", files=tuple(files))
 
 
@@ -201,5 +202,4 @@ class ByteCorpus(tfds.core.GeneratorBasedBuilder):
   def _generate_examples(self, split):
     for f in self.builder_config.files:
       if f.split == split:
-        with open(f.path, "rb") as file:
-          yield f.relpath, {"path": f.relpath, "text": file.read()}
+        yield f.relpath, {"path": f.relpath, "text": corpus.read(f)}

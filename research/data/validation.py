@@ -19,7 +19,7 @@ def validate(config):
   """Raises ValueError listing every problem with what would be valid; returns None if none."""
   problems = _problems(config)
   if problems:
-    raise ValueError("invalid data config:\n  " + "\n  ".join(problems))
+    raise ValueError("invalid data config: " + "; ".join(problems))
 
 
 def _problems(config):
@@ -152,6 +152,7 @@ def _corpus_problems(config):
       num_files = sum(f.split == split for f in dataset.files)
       problems.append(
           f"the {split} split of {d.name} has {sizes[split]} tokens ({num_files} of "
-          f"{len(dataset.files)} files; a file's split is a hash of its path, ~90/5/5) but {why} "
+          f"{len(dataset.files)} entries; the splits take ~90/5/5 of the files, or of each file's "
+          f"bytes when there are few files) but {why} "
           f"needs {needed}; use lengths <= {max(sizes[split] - 1, 0)} or a larger corpus")
   return problems

@@ -1,10 +1,21 @@
-"""Position schemes, by name. Each declares where it acts: none, embed, qk or bias."""
+"""Position schemes, by name. Each is one file and one line below; see base.py for the hooks.
+
+To add one: subclass `research.positions.base.PositionScheme` in a new file, override the hooks
+it uses (embedding, queries/keys, bias), declare its `hyperparameters`, and register it here.
+The conformance suite, the xla == blockwise test, sweeps and tables enumerate this registry.
+"""
 
 from research.positions.alibi import ALiBi, alibi_slopes
-from research.positions.base import BIAS, EMBED, KINDS, NONE, QK, PositionScheme
+from research.positions.base import BIAS, EMBED, QK, PositionScheme
+from research.positions.fire import FIRE
+from research.positions.kerple import KerpleLog
+from research.positions.learned import Learned
 from research.positions.none import NoPosition
-from research.positions.rope import RoPE
+from research.positions.prope import PartialRoPE
+from research.positions.rope import SCALINGS, RoPE
 from research.positions.sinusoidal import Sinusoidal
+from research.positions.t5 import T5Bias
+from research.positions.xpos import XPos
 from research.registry import Registry
 
 REGISTRY = Registry("position scheme", "model.position")
@@ -12,8 +23,41 @@ REGISTRY.register("none", NoPosition)
 REGISTRY.register("sinusoidal", Sinusoidal)
 REGISTRY.register("rope", RoPE)
 REGISTRY.register("alibi", ALiBi)
+REGISTRY.register("learned", Learned)
+REGISTRY.register("t5", T5Bias)
+REGISTRY.register("kerple", KerpleLog)
+REGISTRY.register("fire", FIRE)
+REGISTRY.register("xpos", XPos)
+REGISTRY.register("prope", PartialRoPE)
 
 
-def from_config(model_config):
-  """The position scheme named by `model_config.position`, configured from it."""
-  return REGISTRY.lookup(model_config.position).from_config(model_config)
+def rotary(name: str) -> bool:
+  """Whether scheme `name` rotates queries and keys (and so takes the RoPE scalings)."""
+  return issubclass(REGISTRY.lookup(name), RoPE)
+
+
+def validate(model_config):
+  """Check model.position and its settings; returns the scheme class."""
+  name = model_config.position
+  cls = REGISTRY.lookup(name)
+  cls.validate(REGISTRY.settings(name, model_config), model_config)
+  for other in REGISTRY:  # a scaling set on a scheme that is not the one in use
+    key = REGISTRY.settings_key(other)
+    if other == name or not rotary(other) or key not in model_config:
+      continue
+    scaling = model_config[key].scaling
+    if scaling == "none":
+      continue
+    if rotary(name):
+      raise ValueError(f"model.{key}.scaling={scaling!r} is set, but model.position={name!r} "
+                       f"reads model.{REGISTRY.settings_key(name)}.scaling; set that one instead")
+    raise ValueError(f"model.{key}.scaling={scaling!r} needs a rotary position scheme, but "
+                     f"model.position={name!r} has no rotations; rotary schemes: "
+                     f"{', '.join(n for n in REGISTRY if rotary(n))}")
+  return cls
+
+
+def build(model_config, *, rngs) -> PositionScheme:
+  """The scheme named by model.position, with its settings from model.<name>."""
+  name = model_config.position
+  return REGISTRY.lookup(name)(REGISTRY.settings(name, model_config), model_config, rngs=rngs)

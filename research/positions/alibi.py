@@ -5,7 +5,6 @@ start = 2^(-2^-(log2(n) - 3)) = 2^(-8/n). For other n: the slopes of the closest
 two p, then every other slope of 2p, the first n - p of them (the paper's reference code).
 """
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ def _power_of_two_slopes(n):
   return [start ** (k + 1) for k in range(n)]
 
 
-def alibi_slopes(num_heads):
+def alibi_slopes(num_heads: int) -> np.ndarray:
   """The ALiBi slope of each head, as a float32 numpy array of shape [num_heads]."""
   if num_heads < 1:
     raise ValueError(f"ALiBi needs at least one head, got {num_heads}")
@@ -30,9 +29,12 @@ def alibi_slopes(num_heads):
   return np.asarray(slopes, dtype=np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
 class ALiBi(base.PositionScheme):
-  kind = base.BIAS
 
-  def slopes(self, num_heads):
-    return jnp.asarray(alibi_slopes(num_heads))
+  def __init__(self, settings, model_config, *, rngs):
+    del settings, rngs
+    self.num_heads = model_config.num_heads
+
+  def bias(self, q_positions_BxT, k_positions_BxS):
+    slopes_N = jnp.asarray(alibi_slopes(self.num_heads))
+    return -slopes_N[:, None, None] * base.distance(q_positions_BxT, k_positions_BxS)

@@ -1,10 +1,8 @@
-"""No explicit positions: the causal mask (or a recurrence) is the only order signal."""
-
-import dataclasses
+"""No explicit positions (NoPE, Kazemnejad et al., arXiv:2305.19466): the causal mask (or a
+recurrence) is the only order signal."""
 
 from research.positions import base
 
 
-@dataclasses.dataclass(frozen=True)
 class NoPosition(base.PositionScheme):
-  kind = base.NONE
+  """Every hook is the base class's no-op."""

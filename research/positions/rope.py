@@ -1,83 +1,120 @@
-"""Rotary position embedding, RoPE (Su et al., arXiv:2104.09864), with context extension.
+"""Rotary position embedding, RoPE (Su et al., arXiv:2104.09864), and its context extensions.
 
 Each 2-D slice (x[2i], x[2i+1]) of a query or key at position m is rotated by m * theta_i,
 theta_i = base^(-2i/d), so <R(m) q, R(n) k> depends on m - n only.
 
-Scaling to longer contexts, s = rope_scaling_factor = L_target / L_train:
-  pi    position interpolation: m -> m / s.
-  ntk   NTK-aware: base -> base * s^(d / (d - 2)).
-  yarn  YaRN (arXiv:2309.00071): NTK-by-parts, theta_i' = (1 - g) theta_i / s + g theta_i with the
-        ramp g(r) = clip((r - alpha) / (beta - alpha), 0, 1), r = L_train / wavelength_i, alpha = 1,
-        beta = 32; plus the temperature sqrt(1/t) = 0.1 ln s + 1, applied once: softmax attention
-        multiplies q and k each by `magnitude()`, so the logits are scaled by 1/t. `rotate` is a
-        pure rotation (linear attention and retention have no softmax temperature).
+Scalings (model.rope.scaling), with s = scaling_factor and L = original_length (the training
+length); each follows the code its authors published, as HF transformers' modeling_rope_utils:
+  pi           position interpolation (Chen et al., arXiv:2306.15595): theta_i / s.
+  static_ntk   NTK-aware, static (bloc97): base -> base * s^(d / (d - 2)).
+  dynamic_ntk  HF's dynamic NTK: base -> base * (s * n / L - (s - 1))^(d / (d - 2)) with
+               n = max(L, current length), the current length being the largest position + 1
+               in the call; no change up to L.
+  yarn         YaRN (Peng et al., arXiv:2309.00071; jquesnelle/yarn = HF
+               `_compute_yarn_parameters`): correction dims d_r = d ln(L / (2 pi r)) / (2 ln base)
+               for r = beta = 32 and r = alpha = 1, rounded out to [floor(d_32), ceil(d_1)] and
+               clamped to [0, d - 1]; ramp = clip((i - low) / (high - low), 0, 1) over the pair
+               index i (+0.001 on high when the ends meet); theta_i' = theta_i / s * ramp +
+               theta_i * (1 - ramp). The attention temperature m = 0.1 ln s + 1 multiplies cos
+               and sin in the reference code, so the logits carry m^2: here `logit_scale()`,
+               taken by softmax attention only (linear attention and retention have no softmax).
+`rotate` itself is a pure rotation under every scaling.
 """
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
 
 from research.positions import base
 
-SCALINGS = ("none", "pi", "ntk", "yarn")
-YARN_ALPHA = 1.0
-YARN_BETA = 32.0
+SCALINGS = ("none", "pi", "static_ntk", "dynamic_ntk", "yarn")
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 
 
-@dataclasses.dataclass(frozen=True)
+def yarn_correction_range(head_dim, base_frequency, original_length):
+  """(low, high) pair indices of YaRN's ramp, as its reference code rounds and clamps them."""
+
+  def correction_dim(rotations):
+    return (head_dim * math.log(original_length / (rotations * 2 * math.pi))
+            / (2 * math.log(base_frequency)))
+
+  low = max(math.floor(correction_dim(YARN_BETA_FAST)), 0)
+  high = min(math.ceil(correction_dim(YARN_BETA_SLOW)), head_dim - 1)
+  return low, high
+
+
+def scaling_for_length(scaling, eval_length, train_length):
+  """The scaling settings to evaluate a model trained at `train_length` at `eval_length`:
+  s = max(1, eval / train) for the static scalings; dynamic NTK keeps s = 1 and adapts to the
+  current length itself (with s = 1 it scales the base by n / L)."""
+  factor = 1.0 if scaling == "dynamic_ntk" else max(1.0, eval_length / train_length)
+  return {"scaling": scaling, "scaling_factor": factor, "original_length": train_length}
+
+
 class RoPE(base.PositionScheme):
-  kind = base.QK
-  base_frequency: float = 10000.0
-  scaling: str = "none"
-  factor: float = 1.0
-  original_length: int = 128
+  hyperparameters = {"base": 10000.0, "scaling": "none", "scaling_factor": 1.0,
+                     "original_length": 128}
 
-  def __post_init__(self):
-    if self.scaling not in SCALINGS:
-      raise ValueError(f"unknown rope_scaling {self.scaling!r}; valid: {', '.join(SCALINGS)}")
-    if self.factor <= 0:
-      raise ValueError(f"rope_scaling_factor must be > 0, got {self.factor}")
+  def __init__(self, settings, model_config, *, rngs):
+    del rngs
+    self.base_frequency = float(settings.base)
+    self.scaling = settings.scaling
+    self.factor = float(settings.scaling_factor)
+    self.original_length = int(settings.original_length)
+    self.head_dim = model_config.d_model // model_config.num_heads
 
   @classmethod
-  def from_config(cls, model_config):
-    return cls(
-        base_frequency=float(model_config.rope_base),
-        scaling=model_config.rope_scaling,
-        factor=float(model_config.rope_scaling_factor),
-        original_length=int(model_config.rope_original_length),
-    )
-
-  def frequencies(self, head_dim):
-    """theta_i for i < head_dim / 2, after scaling."""
+  def validate(cls, settings, model_config):
+    head_dim = model_config.d_model // model_config.num_heads
     if head_dim % 2:
-      raise ValueError(f"RoPE needs an even head dimension, got {head_dim} (d_model / num_heads)")
-    s = self.factor
-    base_frequency = self.base_frequency
-    if self.scaling == "ntk":
-      base_frequency = base_frequency * s ** (head_dim / (head_dim - 2))
-    theta = base_frequency ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+      raise ValueError(f"rotary positions need an even head dim, but d_model / num_heads = "
+                       f"{head_dim}; choose num_heads so that d_model / num_heads is even")
+    if settings.base <= 1:
+      raise ValueError(f"the rotary base must be > 1, got {settings.base} (10000 is usual)")
+    if settings.scaling not in SCALINGS:
+      raise ValueError(f"unknown rotary scaling {settings.scaling!r}; valid: {', '.join(SCALINGS)}")
+    if settings.scaling_factor < 1:
+      raise ValueError(f"the rotary scaling_factor must be >= 1, got {settings.scaling_factor}")
+    if settings.original_length < 1:
+      raise ValueError(f"the rotary original_length must be >= 1, got {settings.original_length}")
+
+  def inverse_frequencies(self, positions_BxL=None):
+    """theta_i for i < head_dim / 2, after scaling, float32 [head_dim / 2]."""
+    d, s, base_frequency = self.head_dim, self.factor, self.base_frequency
+    exponents = jnp.arange(0, d, 2, dtype=jnp.float32) / d
+    if self.scaling == "static_ntk":
+      base_frequency = base_frequency * s ** (d / (d - 2))
+    if self.scaling == "dynamic_ntk" and positions_BxL is not None:
+      length = jnp.maximum(positions_BxL.max() + 1, self.original_length).astype(jnp.float32)
+      base_frequency = base_frequency * (s * length / self.original_length - (s - 1)) ** (d / (d - 2))
+    theta = base_frequency ** -exponents
+    if self.scaling == "pi":
+      theta = theta / s
     if self.scaling == "yarn":
-      ratio = self.original_length * theta / (2 * math.pi)  # L_train / wavelength
-      ramp = jnp.clip((ratio - YARN_ALPHA) / (YARN_BETA - YARN_ALPHA), 0.0, 1.0)
-      theta = (1 - ramp) * theta / s + ramp * theta
+      low, high = yarn_correction_range(d, self.base_frequency, self.original_length)
+      high = high + 0.001 if low == high else high
+      ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+      theta = theta / s * ramp + theta * (1 - ramp)
     return theta
 
-  def magnitude(self):
-    """sqrt(1/t) of YaRN, 1 otherwise: softmax attention's q and k are each scaled by it."""
-    if self.scaling == "yarn" and self.factor > 1:
-      return 0.1 * math.log(self.factor) + 1.0
-    return 1.0
-
-  def rotate(self, x_BxLxNxH, positions_L):
-    head_dim = x_BxLxNxH.shape[-1]
-    positions = positions_L.astype(jnp.float32)
-    if self.scaling == "pi":
-      positions = positions / self.factor
-    angle_LxHalf = positions[:, None] * self.frequencies(head_dim)
-    cos = jnp.cos(angle_LxHalf)[:, None, :]
-    sin = jnp.sin(angle_LxHalf)[:, None, :]
+  def rotate(self, x_BxLxNxH, positions_BxL):
+    """x with each pair (x[2i], x[2i+1]) rotated by position * theta_i; a pure rotation."""
+    theta = self.inverse_frequencies(positions_BxL)
+    angle = positions_BxL.astype(jnp.float32)[..., None] * theta  # [B, L, H/2]
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
     x = x_BxLxNxH.astype(jnp.float32)
     even, odd = x[..., 0::2], x[..., 1::2]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     return rotated.reshape(x.shape).astype(x_BxLxNxH.dtype)
+
+  def queries(self, q_BxLxNxH, positions_BxL):
+    return self.rotate(q_BxLxNxH, positions_BxL)
+
+  def keys(self, k_BxLxKxH, positions_BxL):
+    return self.rotate(k_BxLxKxH, positions_BxL)
+
+  def logit_scale(self):
+    """YaRN's m^2 = (0.1 ln s + 1)^2 on the softmax logits (m on cos and sin of q and k)."""
+    if self.scaling == "yarn" and self.factor > 1:
+      return (0.1 * math.log(self.factor) + 1.0) ** 2
+    return 1.0

@@ -1,0 +1,81 @@
+"""Evaluate a trained run, or every run of a sweep, at new lengths, modes and RoPE scalings,
+from its newest readable checkpoint, without retraining; then redraw its results.
+
+  python -m experiments.evaluate --workdir=runs/alibi --config.eval.lengths='(128,1024,4096)'
+  python -m experiments.evaluate --workdir=runs/demo --config.model.rope.scaling=yarn
+  python -m experiments.evaluate --workdir=runs/demo --config.eval.modes='("sliding",)' \
+      --config.eval.sliding_stride=64
+
+The run's own config.json gives everything else. Only evaluation settings may be changed: the
+eval.* fields, and model.rope.scaling=NAME (or model.xpos / model.prope), which evaluates
+that scaling as
+--config.eval.rope_scalings='("NAME",)' does (factor eval length / train.seq_len, as
+research.extrapolation applies it). Each evaluation is a
+row of RUN/eval.json keyed by the checkpoint step and its settings, appended (settings evaluated
+before are not recomputed, nothing is overwritten); results.csv, summary.md and the figures are
+then redrawn in --workdir. A partially trained run is evaluated at its newest checkpoint.
+"""
+
+import jax
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from configs import base
+from experiments import cli
+from research import checkpoints
+from research import checks
+from research import config_fields
+from research import extrapolation
+from research import report
+from research import workdirs
+
+_CONFIG = config_flags.DEFINE_config_dict(
+    "config", base.get_config(), "Evaluation settings to change: eval.*, model.rope.scaling.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (config.json) or a sweep "
+                               "directory (sweep.json).")
+flags.mark_flags_as_required(["workdir"])
+
+ROPE_SCALINGS = tuple(f for f in config_fields.ROTARY_SCALING_FIELDS if f.endswith(".scaling"))
+
+
+def evaluation_settings(overrides: dict) -> dict:
+  """The overridden fields as eval.* settings; ValueError for a field that changes training."""
+  not_evaluation = sorted(name for name in overrides
+                          if not name.startswith("eval.") and name not in ROPE_SCALINGS)
+  if not_evaluation:
+    raise ValueError(
+        f"experiments.evaluate changes evaluation settings only (eval.*, {', '.join(ROPE_SCALINGS)}"
+        f"), not {', '.join(not_evaluation)}; train with those values in a new --workdir instead")
+  settings = {name: value for name, value in overrides.items() if name.startswith("eval.")}
+  asked = [overrides[name] for name in ROPE_SCALINGS if overrides.get(name, "none") != "none"]
+  if asked:
+    scalings = settings.get("eval.rope_scalings", ())
+    settings["eval.rope_scalings"] = tuple(dict.fromkeys((*scalings, *asked)))
+  return settings
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  workdir = _WORKDIR.value
+  settings = evaluation_settings(config_flags.get_override_values(flags.FLAGS["config"]))
+  runs = [run for run in workdirs.runs(workdir) if checkpoints.steps(run.directory)]
+  if not runs:
+    raise ValueError(f"{workdir} has no checkpoint to evaluate; train it first")
+  configs = []
+  for run in runs:  # every check before any evaluation
+    config = config_fields.load_saved(run.directory)
+    config.update_from_flattened_dict(settings)
+    checks.validate_config(config, jax.device_count())
+    configs.append(config)
+  for run, config in zip(runs, configs):
+    print(f"{run.name}: evaluating", flush=True)
+    extrapolation.evaluate_run(config, run.directory)
+  written = report.write(workdir)
+  print(f"results in {workdir}/: {', '.join(written.files)}"
+        + (f"; runs without results: {', '.join(written.missing)}" if written.missing else ""))
+
+
+if __name__ == "__main__":
+  cli.run(main)

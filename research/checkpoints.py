@@ -1,0 +1,166 @@
+"""Orbax checkpoints of a run in DIR/checkpoints/<step>/: saved only when the disk can take them,
+restored from the newest one that reads.
+
+Saving: orbax writes each checkpoint asynchronously into a temporary directory and renames it
+into place, so a crash never leaves a partial checkpoint under a step's name. Before each save a
+probe file is written and synced in DIR/checkpoints and the free space is compared with the
+state's size: a read-only or full disk stops the run at once with CheckpointWriteError (orbax
+itself would wait out its 5-minute timeout for a step directory it cannot create), and an error
+of an earlier asynchronous save is reported the same way. Either way the last complete
+checkpoint is left as it was.
+
+Restoring walks back from the latest step to the newest checkpoint that restores. Unreadable
+ones newer than it (a truncated or damaged file) are moved to DIR/checkpoints_unreadable/, kept
+for inspection, and one line says which steps were unreadable and which one is used. If none
+restores, nothing is moved (the checkpoints may be fine for the code that wrote them) and
+CheckpointError says so.
+"""
+
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import jax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+UNREADABLE_DIR = "checkpoints_unreadable"
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint of the run restores."""
+
+
+class CheckpointWriteError(OSError):
+  """The disk cannot take a checkpoint (read-only, full, or an earlier save failed)."""
+
+
+def directory(workdir: str) -> str:
+  return os.path.join(workdir, "checkpoints")
+
+
+def steps(workdir: str) -> list[int]:
+  """Steps of the complete checkpoints in `workdir`, oldest first; creates nothing."""
+  return sorted(ocp.utils.checkpoint_steps(directory(workdir)))
+
+
+def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
+  """The manager of `workdir`'s checkpoints, keeping the latest `keep`, saving asynchronously."""
+  return ocp.CheckpointManager(
+      directory(workdir), options=ocp.CheckpointManagerOptions(
+          max_to_keep=keep, enable_async_checkpointing=True))
+
+
+def _one_line(error: BaseException) -> str:
+  lines = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
+def _check_room(checkpoint_dir: str, state_bytes: int):
+  """Raise OSError unless a file can be written and synced in `checkpoint_dir` and its disk has
+  room for a checkpoint of `state_bytes` (uncompressed: an upper bound)."""
+  with tempfile.TemporaryFile(dir=checkpoint_dir, prefix=".write-probe-") as probe:
+    probe.write(b"\0" * 4096)
+    probe.flush()
+    os.fsync(probe.fileno())
+  free = shutil.disk_usage(checkpoint_dir).free
+  if free < state_bytes:
+    raise OSError(f"the disk is full: {free / 2**20:.1f} MiB free, a checkpoint needs up to "
+                  f"{state_bytes / 2**20:.1f} MiB")
+
+
+def _write_error(checkpoint_manager, step, error) -> CheckpointWriteError:
+  last = checkpoint_manager.latest_step()
+  kept = (f"the last complete checkpoint (step {last}) is intact" if last is not None
+          else "no checkpoint was written")
+  return CheckpointWriteError(
+      f"cannot write checkpoint {step} in {checkpoint_manager.directory} ({_one_line(error)}); "
+      f"stopped, {kept}. Make room or make it writable, then rerun the same command to resume")
+
+
+def save(checkpoint_manager: ocp.CheckpointManager, step: int, state: Any):
+  """Start saving `state` as checkpoint `step`; CheckpointWriteError if the disk cannot take it."""
+  state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+  try:
+    _check_room(str(checkpoint_manager.directory), state_bytes)
+    checkpoint_manager.save(step, args=ocp.args.StandardSave(state))
+  except Exception as e:  # noqa: BLE001 (orbax and TensorStore raise many types for I/O errors)
+    raise _write_error(checkpoint_manager, step, e) from e
+
+
+def wait(checkpoint_manager: ocp.CheckpointManager):
+  """Wait for the pending save; CheckpointWriteError if it failed."""
+  try:
+    checkpoint_manager.wait_until_finished()
+  except Exception as e:  # noqa: BLE001 (as in save)
+    raise _write_error(checkpoint_manager, checkpoint_manager.latest_step(), e) from e
+
+
+def _move_aside(checkpoint_manager, bad_steps):
+  """Move unreadable checkpoints to DIR/checkpoints_unreadable/<step> (process 0 does it)."""
+  root = os.path.dirname(str(checkpoint_manager.directory))
+  aside = os.path.join(root, UNREADABLE_DIR)
+  if jax.process_index() == 0:
+    os.makedirs(aside, exist_ok=True)
+    for step in bad_steps:
+      target = os.path.join(aside, str(step))
+      suffix = 1
+      while os.path.exists(target):  # the same step may go bad twice
+        target, suffix = os.path.join(aside, f"{step}.{suffix}"), suffix + 1
+      shutil.move(os.path.join(str(checkpoint_manager.directory), str(step)), target)
+  multihost_utils.sync_global_devices("research.checkpoints.move_aside")
+  checkpoint_manager.reload()
+  return aside
+
+
+def _restore_newest(checkpoint_manager, restore_step: Callable[[int], Any],
+                    log: Callable[[str], None]) -> tuple[int, Any] | None:
+  """(step, restored) of the newest checkpoint that `restore_step` reads; None if there is none."""
+  unreadable = []  # (step, error), newest first
+  for step in sorted(checkpoint_manager.all_steps(), reverse=True):
+    try:
+      restored = restore_step(step)
+    except Exception as e:  # noqa: BLE001 (a damaged file surfaces as any of many error types)
+      unreadable.append((step, e))
+      continue
+    if unreadable:
+      aside = _move_aside(checkpoint_manager, [s for s, _ in unreadable])
+      bad = ", ".join(str(s) for s, _ in unreadable)
+      log(f"checkpoint {bad} of {checkpoint_manager.directory} is unreadable "
+          f"({_one_line(unreadable[0][1])}); moved it to {aside}/ and using step {step}")
+    return step, restored
+  if unreadable:
+    bad = ", ".join(str(s) for s, _ in unreadable)
+    raise CheckpointError(
+        f"no checkpoint in {checkpoint_manager.directory} restores (steps {bad}; newest: "
+        f"{_one_line(unreadable[0][1])}); they are left in place. If the code changed since they "
+        "were written, use that version; if they are damaged, move the directory aside to "
+        "train from step 0")
+  return None
+
+
+def restore_latest(checkpoint_manager: ocp.CheckpointManager, abstract_state: Any,
+                   log: Callable[[str], None] = print) -> Any | None:
+  """The newest readable train state, laid out as `abstract_state` (ShapeDtypeStructs with
+  shardings); None if there is no checkpoint yet."""
+  found = _restore_newest(
+      checkpoint_manager,
+      lambda step: checkpoint_manager.restore(step, args=ocp.args.StandardRestore(abstract_state)),
+      log)
+  return None if found is None else found[1]
+
+
+def restore_params(workdir: str, abstract_params: Any,
+                   log: Callable[[str], None] = print) -> tuple[int, Any]:
+  """(step, parameters) of the newest readable checkpoint in `workdir`: the `params` entry of the
+  train state alone, laid out as `abstract_params`. FileNotFoundError if there is none."""
+  if not steps(workdir):
+    raise FileNotFoundError(f"no checkpoint in {directory(workdir)}; train the run first "
+                            "(python -m experiments.train with this --workdir)")
+  item = {"params": abstract_params}
+  args = ocp.args.PyTreeRestore(
+      item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)
+  with ocp.CheckpointManager(directory(workdir),
+                             options=ocp.CheckpointManagerOptions(create=False)) as reader:
+    return _restore_newest(reader, lambda step: reader.restore(step, args=args)["params"], log)

@@ -1,0 +1,111 @@
+"""Config fields by dotted name: which ones change training, how a saved config compares with a
+new one, and the closest field to a misspelt name.
+
+A workdir's identity is the set of fields that change training. Not part of it:
+  - evaluation settings: eval.*, and the context extension of the rotary schemes
+    (model.rope.scaling, its scaling_factor and original_length; the same in model.xpos and
+    model.prope), which research.extrapolation sets per evaluation length;
+  - how the run is carried out: logging, validation and checkpoint cadence, TensorBoard, the
+    mesh, the processes and where prepared data lives.
+A field that a saved config predates counts as unchanged while it has its default
+(configs/base.py): the default reproduces what the code did before the field existed.
+"""
+
+import difflib
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+
+from configs import base
+from research import positions
+
+ROTARY_SCALING_FIELDS = tuple(
+    f"model.{positions.REGISTRY.settings_key(name)}.{field}"
+    for name in positions.REGISTRY if positions.rotary(name)
+    for field in ("scaling", "scaling_factor", "original_length"))
+EVALUATION_FIELDS = ("eval",) + ROTARY_SCALING_FIELDS
+EXECUTION_FIELDS = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                    "train.eval_every", "train.eval_batches", "train.tensorboard", "mesh",
+                    "distributed", "data.dir")
+
+
+def flatten(config: ml_collections.ConfigDict | Mapping) -> dict[str, Any]:
+  """{"train.seq_len": 128, ...}: every leaf by dotted name, as JSON values (tuples as lists)."""
+  tree = json.loads(config.to_json()) if isinstance(config, ml_collections.ConfigDict) else config
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      flat.update({f"{key}.{name}": leaf for name, leaf in flatten(value).items()})
+    else:
+      flat[key] = value
+  return flat
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+  return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def is_evaluation_field(name: str) -> bool:
+  return _within(name, EVALUATION_FIELDS)
+
+
+def changes_training(name: str) -> bool:
+  return not _within(name, EVALUATION_FIELDS + EXECUTION_FIELDS)
+
+
+def training_differences(saved: Mapping, current: ml_collections.ConfigDict) -> list[str]:
+  """'field: saved -> current' for every field that changes training and differs between a saved
+  config (the nested dict of a config.json) and `current`; empty if they train the same run."""
+  saved, current, defaults = flatten(saved), flatten(current), flatten(base.get_config())
+  differences = []
+  for name in sorted(saved.keys() | current.keys()):
+    if not changes_training(name):
+      continue
+    if name not in saved:
+      if current[name] != defaults.get(name):
+        differences.append(f"{name}: absent (the run predates it; its default is "
+                           f"{defaults.get(name)!r}) -> {current[name]!r}")
+    elif name not in current:
+      differences.append(f"{name}: {saved[name]!r} -> absent (this code has no such field)")
+    elif saved[name] != current[name]:
+      differences.append(f"{name}: {saved[name]!r} -> {current[name]!r}")
+  return differences
+
+
+def load_saved(run_dir: str) -> ml_collections.ConfigDict:
+  """The config of the run in `run_dir`: its config.json over the current defaults."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{run_dir} holds no run (no config.json); give a directory that "
+                            "experiments.train or experiments.run wrote")
+  with open(path) as f:
+    return merge_saved(json.load(f), path)
+
+
+def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
+  """A saved config (nested dict, read from `source`) over the current defaults, so fields that
+  it predates take their defaults (see training_differences)."""
+  saved = flatten(saved)
+  config = base.get_config()
+  unknown = sorted(saved.keys() - flatten(config).keys())
+  if unknown:
+    raise ValueError(f"{source} has fields this code does not know ({', '.join(unknown)}); use "
+                     "the version of the code that wrote it")
+  for name, value in saved.items():
+    *sections, field = name.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[field] = tuple(value) if isinstance(node[field], tuple) else value
+  return config
+
+
+def closest_field(name: str, config: ml_collections.ConfigDict) -> str | None:
+  """`name` if `config` has that field, else the most similar field name, or None."""
+  names = list(flatten(config))
+  if name in names:
+    return name
+  matches = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+  return matches[0] if matches else None

@@ -1,0 +1,60 @@
+"""The figures, drawn from results rows: readable log ticks, the legend below the panels, one
+colour per variant across its RoPE scalings, and titles that say what they show."""
+
+import re
+
+import pytest
+
+from research import plots
+
+LENGTHS = (32, 64, 128, 256)
+
+
+def _rows():
+  """Perplexities of two runs (rope with two scalings, alibi) between 5 and 25: under a decade."""
+  rows = []
+  for run, position, scalings in (("a", "rope", ("none", "ntk", "yarn")),
+                                  ("b", "alibi", ("none",))):
+    for k, scaling in enumerate(scalings):
+      for i, length in enumerate(LENGTHS):
+        rows.append({"run": run, "model.position": position, "eval_mode": "nonoverlapping",
+                     "eval_length": length, "rope_scaling": scaling, "step": 8, "train_steps": 8,
+                     "perplexity": 5.0 + 5 * i / (k + 1) + (position == "alibi"),
+                     "tokens": 16 * length, "loss_by_position": [1.0] * length})
+  return rows
+
+
+@pytest.fixture(scope="module")
+def extrapolation_figure():
+  figure = plots.extrapolation(_rows(), "perplexity", train_length=32)
+  figure.canvas.draw()
+  yield figure
+  plots.plt.close(figure)
+
+
+def test_log_axis_ticks_are_plain_numbers(extrapolation_figure):
+  ax = extrapolation_figure.axes[0]
+  labels = [t.get_text() for t in ax.yaxis.get_ticklabels(which="both") if t.get_text()]
+  assert len(labels) >= 3 and all(re.fullmatch(r"\d+(\.\d+)?", label) for label in labels), labels
+
+
+def test_the_legend_sits_below_the_panels_inside_the_figure(extrapolation_figure):
+  (legend,) = extrapolation_figure.legends
+  box, axes_box = legend.get_window_extent(), extrapolation_figure.axes[0].get_window_extent()
+  assert box.y1 <= axes_box.y0 and 0 <= box.x0 and box.x1 <= extrapolation_figure.bbox.x1
+
+
+def test_the_scalings_of_a_variant_share_its_colour_in_distinct_line_styles(extrapolation_figure):
+  lines = {line.get_label(): line for line in extrapolation_figure.axes[0].get_lines()
+           if not line.get_label().startswith("_")}
+  assert set(lines) == {"rope", "rope +ntk", "rope +yarn", "alibi"}
+  rope = [lines[label] for label in ("rope", "rope +ntk", "rope +yarn")]
+  assert len({line.get_color() for line in rope}) == 1
+  assert len({line.get_linestyle() for line in rope}) == 3
+  assert lines["alibi"].get_color() != rope[0].get_color()
+
+
+def test_the_loss_by_position_title_names_the_length_and_mode():
+  figure = plots.loss_by_position(_rows(), train_length=32)
+  assert "non-overlapping windows of 256 tokens" in figure.axes[0].get_title()
+  plots.plt.close(figure)
