@@ -39,7 +39,7 @@ def get_config():
 
   config.data = ml_collections.ConfigDict()
   d = config.data
-  d.name = "stdlib_bytes"  # research.data: stdlib_bytes, text_dir, copy, reverse, sort, mqar, induction, pg19, lm1b
+  d.name = "stdlib_bytes"  # research.data.NAMES: corpora, synthetic tasks, needle tasks
   d.dir = ""  # prepared datasets; "" means $RESEARCH_DATA_DIR or ~/.cache/research_data
   d.corpus_path = ""  # text_dir: a directory or glob of text files
   d.task_vocab_size = 16  # synthetic tasks: number of symbol tokens
@@ -47,7 +47,10 @@ def get_config():
   d.train_max_length = 40
   d.num_kv_pairs = 8  # mqar
   d.num_train_examples = 100_000  # synthetic tasks
-  d.num_eval_examples = 256  # synthetic tasks, per evaluation length
+  d.num_eval_examples = 256  # synthetic and needle tasks, per evaluation length (and depth)
+  d.needle_value_digits = 5  # needle tasks: digits of the pass key / magic numbers
+  d.num_distractors = 3  # needle_multikey: needles of other keys
+  d.num_values = 4  # needle_multivalue: values of the asked key
 
   config.train = ml_collections.ConfigDict()
   t = config.train
@@ -86,6 +89,9 @@ def get_config():
   # Extra rows for runs with a rotary scheme, each scaling at s = eval length / train length:
   # any of research.positions.SCALINGS, e.g. ("pi", "static_ntk", "dynamic_ntk", "yarn").
   e.rope_scalings = ()
+  e.depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle tasks: where the needle sits, 0 first, 1 last
+  e.bootstrap_samples = 1000  # resamples of the 95% intervals over windows / examples
+  e.bootstrap_seed = 0
   return config
 
 

@@ -14,8 +14,7 @@ Override anything, e.g. --config.train.num_steps=2000.
 """
 
 from configs import base
-from research import attention
-from research import model as model_lib
+from configs import sweeps
 
 
 def get_config(preset="quick"):
@@ -32,7 +31,8 @@ def get_config(preset="quick"):
                             rope_scalings=("pi", "static_ntk", "dynamic_ntk", "yarn")))
   else:
     config.model.update(dict(num_layers=8, d_model=512, num_heads=8, num_kv_heads=2,
-                             compute_dtype="bfloat16", block_size=256))
+                             compute_dtype="bfloat16"))
+    config.model.softmax.block_size = 256
     config.train.update(dict(num_steps=20000, batch_size=64, seq_len=512, learning_rate=1e-3,
                              warmup_steps=1000, log_every=200, checkpoint_every=2000,
                              eval_every=2000))
@@ -52,6 +52,4 @@ def get_sweep(preset="quick"):
             + [{"model.attention": "linear", "model.position": "rope"},
                {"model.attention": "mamba", "model.position": "none"}])
   return [{"model.attention": a, "model.position": p, "train.seed": seed}
-          for a, cls in sorted(attention.REGISTRY.items())
-          for p in model_lib.compatible_positions(cls)
-          for seed in (0, 1, 2)]
+          for a, p in sweeps.every_variant() for seed in (0, 1, 2)]

@@ -72,9 +72,9 @@ def main(argv):
   for run, config in zip(runs, configs):
     print(f"{run.name}: evaluating", flush=True)
     extrapolation.evaluate_run(config, run.directory)
-  missing = report.write(workdir)
-  print(f"results in {workdir}/: results.csv, summary.md and the figures"
-        + (f"; runs without results: {', '.join(missing)}" if missing else ""))
+  written = report.write(workdir)
+  print(f"results in {workdir}/: {', '.join(written.files)}"
+        + (f"; runs without results: {', '.join(written.missing)}" if written.missing else ""))
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ def main(argv):
   if len(argv) != 2:
     raise app.UsageError("give one directory: python -m experiments.plot DIR (a run or a sweep)")
   workdir = argv[1]
-  missing = report.write(workdir)
-  if missing:
-    print(f"runs without results ({len(missing)}), left out of the figures: {', '.join(missing)}")
-  print(f"redrew {workdir}/results.csv, summary.md and the figures")
+  written = report.write(workdir)
+  if written.missing:
+    print(f"runs without results ({len(written.missing)}), left out of the figures: "
+          f"{', '.join(written.missing)}")
+  print(f"redrew {workdir}/: {', '.join(written.files)}")
 
 
 if __name__ == "__main__":

@@ -84,11 +84,11 @@ def main(argv):
     else:
       for member in pending:
         sweep.run_member(workdir, member)
-  missing = report.write(workdir)
-  figures = [name for name in report.FIGURES if os.path.exists(os.path.join(workdir, name))]
-  print(f"results in {workdir}/: results.csv, summary.md, {', '.join(figures)}")
-  if missing:
-    print(f"runs without results ({len(missing)}): {', '.join(missing)}; see summary.md")
+  written = report.write(workdir)
+  print(f"results in {workdir}/: {', '.join(written.files)}")
+  if written.missing:
+    print(f"runs without results ({len(written.missing)}): {', '.join(written.missing)}; "
+          "see summary.md")
 
 
 if __name__ == "__main__":

@@ -2,24 +2,28 @@
 
 A row holds the metrics of one evaluation and the settings that produced them, its key:
 the checkpoint step, the eval length, mode and RoPE scaling, the number of scored tokens
-(eval.num_tokens) and the sliding-window stride (0 for non-overlapping windows). Evaluating a run
-again computes only the settings it has no row for, so a run trained further or evaluated at new
-lengths keeps its earlier rows beside the new ones. Summaries and figures use `latest`: per run,
-length, mode and scaling, the row of the newest step (the last one evaluated, on a tie).
+(eval.num_tokens), the sliding-window stride (0 for non-overlapping windows), the bootstrap
+samples and seed of its intervals and, for a needle task, the evaluated depths and the row's
+depth (none on the row that pools them). Evaluating a run again computes only the settings it has
+no row for, so a run trained further or evaluated at new lengths keeps its earlier rows beside the
+new ones. Summaries and figures use `latest`: per run, length, mode, scaling and depth, the row of
+the newest step (the last one evaluated, on a tie).
 """
 
 import json
 import os
 from typing import Iterable
 
-KEY = ("step", "eval_length", "eval_mode", "rope_scaling", "num_tokens", "sliding_stride")
-POINT = ("eval_length", "eval_mode", "rope_scaling")  # what a figure plots one value for
+KEY = ("step", "eval_length", "eval_mode", "rope_scaling", "num_tokens", "sliding_stride",
+       "bootstrap_samples", "bootstrap_seed", "depths", "depth")
+POINT = ("eval_length", "eval_mode", "rope_scaling", "depth")  # what a figure plots one value for
 FILE_NAME = "eval.json"
 
 
 def key(row: dict) -> tuple:
-  """The settings of a row (None for settings that rows written before them do not record)."""
-  return tuple(row.get(name) for name in KEY)
+  """The settings of a row (None for settings that rows written before them do not record, and
+  for the depths of other tasks than needle tasks)."""
+  return tuple(tuple(value) if isinstance(value := row.get(name), list) else value for name in KEY)
 
 
 def read(run_dir: str) -> list[dict]:
@@ -40,10 +44,11 @@ def append(run_dir: str, rows: Iterable[dict]):
 
 
 def latest(rows: Iterable[dict]) -> list[dict]:
-  """Per (run, eval length, mode, scaling), the row of the newest step, the last one on a tie."""
+  """Per (run, eval length, mode, scaling, depth), the row of the newest step, the last one on a
+  tie."""
   chosen = {}
   for row in rows:
-    point = (row.get("run"), *(row[name] for name in POINT))
+    point = (row.get("run"), *(row.get(name) for name in POINT))
     if point not in chosen or (row.get("step") or 0) >= (chosen[point].get("step") or 0):
       chosen[point] = row
   return list(chosen.values())

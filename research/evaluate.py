@@ -1,13 +1,18 @@
-"""Evaluation: loss, perplexity and accuracy of a trained model at any length.
+"""Evaluation: loss, perplexity and accuracy of a trained model at any length, with intervals.
 
 For language modeling, windows come from research.data.eval_batches in the ALiBi paper's two
 modes (arXiv:2108.12409): non-overlapping windows, and sliding windows that score only their last
 `stride` tokens. Each token of the same evaluated text is scored once in either mode, so the loss
 is a mean over the same tokens at every length. For tasks, accuracy is exact match over the scored
 (answer) positions, per token and per sequence.
+
+The jitted step returns sums per row (window or example), so every metric also gets a 95%
+percentile bootstrap interval over rows (research.bootstrap): loss = sum nll / sum tokens,
+perplexity = exp(loss), accuracy = sum correct / sum tokens, exact_match = rows entirely right /
+rows.
 """
 
-import math
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -15,28 +20,33 @@ import numpy as np
 import optax
 from flax import nnx
 
+from research import bootstrap
 from research import data
 from research import sharding
 
+STATISTICS = {
+    "loss": lambda s: s["nll"] / s["tokens"],
+    "perplexity": lambda s: np.exp(np.minimum(s["nll"] / s["tokens"], 700.0)),
+    "accuracy": lambda s: s["correct"] / s["tokens"],
+    "exact_match": lambda s: s["exact"] / s["sequences"],
+}
+
 
 def make_eval_step(graphdef):
-  """jit-compiled sums of per-token statistics over one batch."""
+  """jit-compiled sums of per-token statistics: per row of the batch, and per position."""
 
   def eval_step(params, batch):
     logits = nnx.merge(graphdef, params)(batch["inputs"])
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"]
-    correct = (jnp.argmax(logits, -1) == batch["targets"]) * mask
-    scored_rows = mask.sum(1) > 0
-    return {
-        "nll": (nll * mask).sum(),
-        "tokens": mask.sum(),
-        "correct": correct.sum(),
-        "sequences": scored_rows.sum(),
-        "exact": (scored_rows & (correct.sum(1) == mask.sum(1))).sum(),
-        "nll_by_position": (nll * mask).sum(0),
-        "tokens_by_position": mask.sum(0),
-    }
+    correct = ((jnp.argmax(logits, -1) == batch["targets"]) * mask).sum(1)
+    tokens = mask.sum(1)
+    rows = {"nll": (nll * mask).sum(1), "tokens": tokens, "correct": correct,
+            "exact": ((tokens > 0) & (correct == tokens)).astype(jnp.float32)}
+    # Replicated, so that every process reads every row.
+    rows = {k: sharding.constrain(v, (None,)) for k, v in rows.items()}
+    return {"rows": rows, "nll_by_position": (nll * mask).sum(0),
+            "tokens_by_position": mask.sum(0)}
 
   return jax.jit(eval_step)
 
@@ -56,31 +66,54 @@ def global_batch(batch, mesh):
           for k, v in batch.items()}
 
 
-def evaluate(eval_step, params, batches, mesh, batch_size, max_batches=None):
-  """Aggregate metrics over `batches`: loss, perplexity, accuracy, exact_match, loss by position."""
-  totals = None
+def row_sums(eval_step: Callable, params, batches: Iterable[dict], mesh: jax.sharding.Mesh,
+             batch_size: int, max_batches: int | None = None) -> dict:
+  """{"rows": {column: one value per row}, "nll_by_position": [L], "tokens_by_position": [L]}:
+  the sums of every row with scored tokens (padding rows dropped), and per-position sums."""
+  parts = []
   for i, batch in enumerate(batches):
     if max_batches is not None and i >= max_batches:
       break
     sums = jax.device_get(eval_step(params, global_batch(_pad_rows(batch, batch_size), mesh)))
-    totals = sums if totals is None else jax.tree.map(np.add, totals, sums)
-  if totals is None or totals["tokens"] == 0:
+    rows = {k: v[:len(batch["inputs"])] for k, v in sums.pop("rows").items()}
+    parts.append({"rows": {k: v[rows["tokens"] > 0] for k, v in rows.items()}, **sums})
+  if not parts:
+    raise ValueError("evaluation saw no batches; check eval.num_tokens and the lengths")
+  return concatenate(parts)
+
+
+def concatenate(parts: list[dict]) -> dict:
+  """Row sums of several evaluations as one: rows joined, per-position sums added."""
+  return {"rows": {k: np.concatenate([p["rows"][k] for p in parts]) for k in parts[0]["rows"]},
+          **{k: sum(p[k] for p in parts) for k in ("nll_by_position", "tokens_by_position")}}
+
+
+def _totals(rows):
+  """Column sums (as length-1 arrays, the shape STATISTICS take) over rows with scored tokens."""
+  if not rows["tokens"].sum():
     raise ValueError("evaluation saw no scored tokens; check eval.num_tokens and the lengths")
-  loss = float(totals["nll"] / totals["tokens"])
+  return {k: v.sum(keepdims=True) for k, v in rows.items()}
+
+
+def metrics(sums: dict, bootstrap_samples: int, bootstrap_seed: int) -> dict:
+  """loss, perplexity, accuracy, exact_match and their `<name>_ci_low` / `<name>_ci_high`
+  (95% bootstrap over rows), tokens and sequences scored, and the loss at each position."""
+  rows = dict(sums["rows"], sequences=np.ones_like(sums["rows"]["tokens"]))
+  totals = _totals(rows)
+  result = {name: float(statistic(totals)[0]) for name, statistic in STATISTICS.items()}
+  result.update(tokens=int(totals["tokens"][0]), sequences=int(totals["sequences"][0]))
+  for name, (low, high) in bootstrap.intervals(rows, STATISTICS, bootstrap_samples,
+                                               bootstrap_seed).items():
+    result[f"{name}_ci_low"], result[f"{name}_ci_high"] = low, high
   with np.errstate(invalid="ignore", divide="ignore"):
-    by_position = totals["nll_by_position"] / totals["tokens_by_position"]
-  return {
-      "loss": loss,
-      "perplexity": math.exp(min(loss, 700.0)),
-      "accuracy": float(totals["correct"] / totals["tokens"]),
-      "exact_match": float(totals["exact"] / max(totals["sequences"], 1)),
-      "tokens": int(totals["tokens"]),
-      "loss_by_position": [None if np.isnan(x) else float(x) for x in by_position],
-  }
+    by_position = sums["nll_by_position"] / sums["tokens_by_position"]
+  result["loss_by_position"] = [None if np.isnan(x) else float(x) for x in by_position]
+  return result
 
 
 def validation_loss(eval_step, params, config, mesh):
   """Mean loss at the training length on the validation split (for periodic checks)."""
   batches = data.eval_batches(config, config.train.seq_len, "nonoverlapping")
-  return evaluate(eval_step, params, batches, mesh, config.eval.batch_size,
-                  config.train.eval_batches)["loss"]
+  rows = row_sums(eval_step, params, batches, mesh, config.eval.batch_size,
+                  config.train.eval_batches)["rows"]
+  return float(STATISTICS["loss"](_totals(rows))[0])

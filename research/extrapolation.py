@@ -1,11 +1,13 @@
 """Length extrapolation: evaluate a trained run at every eval length and mode, without retraining.
 
 For each length in config.eval.lengths and mode in config.eval.modes, one row with loss,
-perplexity, accuracy and exact match (and the loss at each token position). Runs with a rotary
-scheme (rope, xpos, prope) get extra rows for each scaling in config.eval.rope_scalings (PI,
-static / dynamic NTK, YaRN; research.positions.rope) at s = max(1, eval_length / train_length):
-the same weights, a different scaling, evaluated with non-overlapping windows. Tasks have a
-single mode (exact answers).
+perplexity, accuracy and exact match, their 95% bootstrap intervals (research.evaluate), and the
+loss at each token position. Needle tasks get one row per depth in config.eval.depths, each with
+its `depth`, and a row without a depth that pools every depth's examples; all of them record the
+evaluated `depths`. Runs with a rotary scheme (rope, xpos, prope) get extra rows for each scaling
+in config.eval.rope_scalings (PI, static / dynamic NTK, YaRN; research.positions.rope) at
+s = max(1, eval_length / train_length): the same weights, a different scaling, evaluated with
+non-overlapping windows. Tasks have a single mode (exact answers).
 
 `evaluate_run` evaluates a run's newest readable checkpoint (research.checkpoints) at the
 settings that its RUN/eval.json has no row for yet and appends their rows (research.eval_results),
@@ -45,8 +47,17 @@ def _variants(config):
       yield scaling, scaled
 
 
+def _row_settings(settings, depths):
+  """{depth: the settings of its row} of one evaluation: for a needle task one row per depth and
+  one pooling them (depth None), all recording the evaluated depths; else just `settings`."""
+  if depths == (None,):
+    return {None: settings}
+  pooled = dict(settings, depths=list(depths))
+  return {**{depth: dict(pooled, depth=depth) for depth in depths}, None: pooled}
+
+
 def _plan(config, step):
-  """(settings, model config at the length) of every evaluation `config` asks for."""
+  """({depth: row settings}, model config at the length) of every evaluation `config` asks for."""
   for scaling, model_config_at in _variants(config):
     modes = config.eval.modes
     if scaling != "none" or not data.is_language_modeling(config):
@@ -55,20 +66,35 @@ def _plan(config, step):
       for mode in modes:
         settings = {"step": step, "eval_length": length, "eval_mode": mode,
                     "rope_scaling": scaling, "num_tokens": config.eval.num_tokens,
-                    "sliding_stride": validation.sliding_stride(config) if mode == "sliding" else 0}
-        yield settings, model_config_at(length)
+                    "sliding_stride": validation.sliding_stride(config) if mode == "sliding" else 0,
+                    "bootstrap_samples": config.eval.bootstrap_samples,
+                    "bootstrap_seed": config.eval.bootstrap_seed}
+        yield _row_settings(settings, data.eval_depths(config)), model_config_at(length)
 
 
 def _to_do(config, workdir, step):
   done = {eval_results.key(row) for row in eval_results.read(workdir)}
-  return [(s, m) for s, m in _plan(config, step) if eval_results.key(s) not in done]
+  return [(rows, m) for rows, m in _plan(config, step)
+          if any(eval_results.key(s) not in done for s in rows.values())]
+
+
+def _row_sums(config, eval_step, params, mesh, length, mode, depths):
+  """{depth: row sums} at every depth (one set for None: pooled over the depths)."""
+  sums = {depth: evaluate.row_sums(eval_step, params,
+                                   data.eval_batches(config, length, mode, depth=depth), mesh,
+                                   config.eval.batch_size)
+          for depth in [d for d in depths if d is not None] or [None]}
+  if None not in sums:
+    sums[None] = evaluate.concatenate(list(sums.values()))
+  return sums
 
 
 def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
                  progress: Callable[[str], None] = functools.partial(print, flush=True)
                  ) -> list[dict]:
-  """Evaluate the run in `workdir` at every eval length x mode x RoPE scaling of `config` not in
-  its eval.json yet, from its newest readable checkpoint; appends and returns the new rows."""
+  """Evaluate the run in `workdir` at every eval length x mode x RoPE scaling (x needle depth) of
+  `config` not in its eval.json yet, from its newest readable checkpoint; appends and returns the
+  new rows."""
   with workdir_lock.hold(workdir):
     saved_steps = checkpoints.steps(workdir)
     if saved_steps and not _to_do(config, workdir, saved_steps[-1]):
@@ -81,18 +107,24 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
       step, params = checkpoints.restore_params(
           workdir, sharding.sharded_abstract(abstract, mesh), log=progress)
       eval_steps = {}  # one compiled step per (scaling, length)
-      for settings, model_config in _to_do(config, workdir, step):
-        length, mode, scaling = (settings[k] for k in ("eval_length", "eval_mode", "rope_scaling"))
+      for row_settings, model_config in _to_do(config, workdir, step):
+        length, mode, scaling = (row_settings[None][k]
+                                 for k in ("eval_length", "eval_mode", "rope_scaling"))
         if (scaling, length) not in eval_steps:
           eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(nnx.eval_shape(
               lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))))
-        metrics = evaluate.evaluate(eval_steps[scaling, length], params,
-                                    data.eval_batches(config, length, mode), mesh,
-                                    config.eval.batch_size)
-        row = {**settings, **metrics}
-        eval_results.append(workdir, [row])
-        rows.append(row)
-        progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11} "
-                 f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
-                 f"acc {metrics['accuracy']:.3f}  (step {step})")
+        sums = _row_sums(config, eval_steps[scaling, length], params, mesh, length, mode,
+                         list(row_settings))
+        new = []
+        for depth, settings in row_settings.items():
+          metrics = evaluate.metrics(sums[depth], config.eval.bootstrap_samples,
+                                     config.eval.bootstrap_seed)
+          new.append({**settings, **metrics})
+          at = "" if depth is None else f" depth {depth:<5}"
+          progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11}{at} "
+                   f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
+                   f"acc {metrics['accuracy']:.3f}  exact {metrics['exact_match']:.3f}  "
+                   f"(step {step})")
+        eval_results.append(workdir, new)
+        rows += new
   return rows

@@ -9,10 +9,22 @@ saves them (`save`) as
                         its colour, each scaling has its own line style.
   loss_by_position.png  loss at each token position of long non-overlapping windows; the title
                         says which length and mode.
+  needle_heatmap.png    needle tasks: the metric at every (evaluation length, needle depth), one
+                        panel per variant.
+  lost_in_the_middle.png  needle tasks: the metric against depth, one line per evaluation length
+                        ("lost in the middle", arXiv:2307.03172).
+  tasks.png             a sweep over tasks: the metric against evaluation length, one panel per
+                        task, one line per variant.
+  width.png             a sweep over model.d_model (MQAR, Zoology arXiv:2312.04927 Figure 2): the
+                        metric against width, one line per mixer.
+In the last three, points are means over seeds and error bars span the seeds' mean 95% bootstrap
+interval over evaluated examples (results.csv's `<metric>_ci_low` / `_ci_high`).
 Legends sit below the panels. A variant has the same colour in every panel.
 """
 
 import collections
+import math
+import re
 
 import matplotlib
 
@@ -118,3 +130,127 @@ def loss_by_position(rows: list[dict], train_length: int, bins: int = 32,
   ax.grid(alpha=0.3)
   _legend_below(fig, ax)
   return fig
+
+
+PROPORTIONS = ("accuracy", "exact_match")
+
+
+def _grid(num_panels, width=4.2, height=3.6, max_columns=4):
+  """A figure of num_panels panels, at most max_columns a row, and the panels in order."""
+  columns = min(num_panels, max_columns)
+  rows = math.ceil(num_panels / columns)
+  fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows + 0.8),
+                           squeeze=False, layout="constrained")
+  for ax in axes.flat[num_panels:]:
+    ax.set_visible(False)
+  return fig, list(axes.flat[:num_panels])
+
+
+def _natural(label):
+  """Sort key that orders the numbers inside labels by value: 'n=64' before 'n=128'."""
+  return [(0, int(part), "") if part.isdigit() else (1, 0, part)
+          for part in re.split(r"(\d+)", str(label))]
+
+
+def _mean(rows, key):
+  return float(np.mean([row[key] for row in rows]))
+
+
+def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log=False):
+  """One panel per panel_of(row), one line per line_of(row): the mean over seeds of `metric`
+  against x_of(row), error bars spanning the mean of the seeds' 95% intervals."""
+  cells = collections.defaultdict(list)
+  for row in rows:
+    cells[(panel_of(row), line_of(row), x_of(row))].append(row)
+  panels = sorted({panel for panel, _, _ in cells}, key=_natural)
+  lines = sorted({line for _, line, _ in cells}, key=_natural)
+  colors = _colors(lines)
+  fig, axes = _grid(len(panels))
+  for ax, panel in zip(axes, panels):
+    for line in lines:
+      xs = sorted(x for p, l, x in cells if p == panel and l == line)
+      if not xs:
+        continue
+      points = [cells[(panel, line, x)] for x in xs]
+      mean = np.array([_mean(p, metric) for p in points])
+      error = None
+      if all(f"{metric}_ci_low" in row for p in points for row in p):
+        low = np.array([_mean(p, f"{metric}_ci_low") for p in points])
+        high = np.array([_mean(p, f"{metric}_ci_high") for p in points])
+        error = [np.maximum(mean - low, 0), np.maximum(high - mean, 0)]
+      ax.errorbar(xs, mean, yerr=error, marker="o", capsize=3, label=line_name(line),
+                  color=colors[line])
+    if x_log:
+      ax.set_xscale("log", base=2)
+      ticks = sorted({x for p, _, x in cells if p == panel})
+      ax.set_xticks(ticks, [str(x) for x in ticks])
+      ax.minorticks_off()
+    if metric in PROPORTIONS:
+      ax.set_ylim(-0.03, 1.03)
+    ax.set_title(str(panel), fontsize=9)
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+  _legend_below(fig, axes[0])
+  return fig
+
+
+def _labeller(rows, leave_out=()):
+  """row -> its variant label over the swept keys, less those in leave_out, with its RoPE scaling
+  ("" if nothing is left)."""
+  keys = [k for k in report.swept_keys(rows) if k not in leave_out]
+  return lambda row: report.scaled_label(report.variant_label(row, keys) if keys else "",
+                                         row["rope_scaling"]).strip()
+
+
+def needle_heatmap(rows: list[dict], metric: str = "exact_match") -> matplotlib.figure.Figure:
+  """Per variant, the mean over seeds of `metric` at every evaluation length x needle depth."""
+  label = _labeller(rows)
+  cells = collections.defaultdict(list)
+  for row in rows:
+    cells[(label(row), row["eval_length"], row["depth"])].append(row[metric])
+  variants = sorted({variant for variant, _, _ in cells}, key=_natural)
+  lengths = sorted({length for _, length, _ in cells})
+  depths = sorted({depth for _, _, depth in cells})
+  fig, axes = _grid(len(variants), width=0.6 * len(depths) + 1.6, height=0.4 * len(lengths) + 1.6)
+  for ax, variant in zip(axes, variants):
+    grid = np.array([[np.mean(cells[(variant, length, depth)]) if cells.get(
+        (variant, length, depth)) else np.nan for depth in depths] for length in lengths])
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", origin="lower", aspect="auto")
+    for (i, j), value in np.ndenumerate(grid):
+      if not np.isnan(value):
+        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7,
+                color="white" if value < 0.5 else "black")
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(length) for length in lengths])
+    ax.set_xlabel("needle depth (0: first, 1: last)")
+    ax.set_ylabel("evaluation length (bytes)")
+    ax.set_title(variant, fontsize=9)
+  fig.colorbar(image, ax=axes, label=f"{metric} (mean over seeds)")
+  return fig
+
+
+def lost_in_the_middle(rows: list[dict], metric: str = "exact_match") -> matplotlib.figure.Figure:
+  """Per variant, `metric` against needle depth, one line per evaluation length."""
+  return _panels(rows, metric, x_of=lambda row: row["depth"],
+                 line_of=lambda row: row["eval_length"], panel_of=_labeller(rows),
+                 x_label="needle depth (0: first, 1: last)",
+                 line_name=lambda length: f"length {length}")
+
+
+def task_panels(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
+  """Per task (data.name), `metric` against evaluation length, one line per variant."""
+  return _panels(rows, metric, x_of=lambda row: row["eval_length"],
+                 line_of=_labeller(rows, leave_out=("data.name", "train.seq_len")),
+                 panel_of=lambda row: row["data.name"], x_label="evaluation length (tokens)",
+                 x_log=True)
+
+
+def width(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
+  """`metric` against model.d_model, one line per mixer, one panel per other swept setting."""
+  mixer_keys = ("model.attention", "model.position", "model.layer_pattern")
+  return _panels(rows, metric, x_of=lambda row: int(row["model.d_model"]),
+                 line_of=_labeller(rows, leave_out=[k for k in report.swept_keys(rows)
+                                                    if k not in mixer_keys]),
+                 panel_of=_labeller(rows, leave_out=mixer_keys + ("model.d_model",)),
+                 x_label="model width (d_model)", x_log=True)

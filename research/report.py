@@ -2,19 +2,23 @@
 (tidy), DIR/summary.md and the figures (research.plots).
 
 results.csv has one row per run x evaluation (research.eval_results: checkpoint step x eval
-length x mode x RoPE scaling x evaluated text), with the columns run, attention, position, seed,
-train_length, train_steps, step, eval_length, eval_mode, rope_scaling, num_tokens,
-sliding_stride, loss, perplexity, accuracy, exact_match, tokens, and, in a sweep, one column per
-swept field: a field that changes training in which a run differs from the sweep's base config
-(its dotted name). summary.md and the figures show each
-run's latest rows (the newest checkpoint step); a run evaluated before its last step is labelled
-with the step.
+length x mode x RoPE scaling x evaluated text x needle depth), with the columns run, attention,
+position, seed, train_length, train_steps, step, eval_length, eval_mode, rope_scaling,
+num_tokens, sliding_stride, bootstrap_samples, bootstrap_seed, loss, perplexity, accuracy,
+exact_match, tokens and sequences (scored windows or examples), the 95% bootstrap interval of
+each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...), and, in a sweep, one
+column per swept field: a field that changes training in which a run differs from the sweep's
+base config (its dotted name). Needle tasks add `depths` (those evaluated) and a row per needle
+depth, with its `depth`; their row with an empty depth pools every depth. summary.md and the
+figures show each run's latest rows (the newest checkpoint step); a run evaluated before its last
+step is labelled with the step.
 """
 
 import collections
 import csv
 import math
 import os
+from typing import NamedTuple
 
 from research import config_fields
 from research import data
@@ -22,8 +26,9 @@ from research import eval_results
 from research import sweep as sweep_lib
 from research import workdirs
 
-METRIC_COLUMNS = ("loss", "perplexity", "accuracy", "exact_match", "tokens")
-FIGURES = ("extrapolation.png", "rope_scaling.png", "loss_by_position.png")
+INTERVAL_METRICS = ("loss", "perplexity", "accuracy", "exact_match")
+CI_COLUMNS = tuple(f"{m}_ci_{end}" for m in INTERVAL_METRICS for end in ("low", "high"))
+METRIC_COLUMNS = INTERVAL_METRICS + ("tokens", "sequences") + CI_COLUMNS
 
 
 def _attention_label(config):
@@ -68,8 +73,8 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
       row = {"run": run.name, "attention": _attention_label(config),
              "position": config.model.position, "seed": config.train.seed,
              "train_length": config.train.seq_len, "train_steps": config.train.num_steps}
-      row.update({k: evaluation.get(k) for k in eval_results.KEY})
-      row.update({k: evaluation[k] for k in METRIC_COLUMNS})
+      row.update({k: _cell(evaluation[k]) for k in eval_results.KEY if k in evaluation})
+      row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
       row.update({k: _cell(flat[k]) for k in swept})
       row["loss_by_position"] = evaluation["loss_by_position"]
       rows.append(row)
@@ -121,38 +126,77 @@ def _mean_std(values):
   return mean, std
 
 
-def write_summary(path, rows, not_done, metric, train_length):
+def _summary_cell(values, lows, highs, best):
+  """'mean +/- std (best) [low, high]': over seeds, and the seeds' mean 95% interval."""
+  if not values:
+    return ""
+  mean, std = _mean_std(values)
+  text = f"{mean:.3f} +/- {std:.3f} ({best(values):.3f})" if len(values) > 1 else f"{mean:.3f}"
+  if lows:
+    text += f" [{_mean_std(lows)[0]:.3f}, {_mean_std(highs)[0]:.3f}]"
+  return text
+
+
+def _intervals(rows, metric):
+  """aggregate() of the metric's interval bounds over the rows that have them (rows evaluated
+  before intervals existed have none)."""
+  rows = [row for row in rows if f"{metric}_ci_low" in row]
+  return aggregate(rows, f"{metric}_ci_low"), aggregate(rows, f"{metric}_ci_high")
+
+
+def _depth_lines(rows, metric, best):
+  """A table of the metric at every needle depth, one line per variant and evaluation length."""
+  keys = swept_keys(rows)
+  cells = collections.defaultdict(lambda: collections.defaultdict(list))
+  for row in rows:
+    variant = scaled_label(variant_label(row, keys), row["rope_scaling"])
+    cells[(variant, row["eval_length"])][row["depth"]].append(row)
+  depths = sorted({depth for per_depth in cells.values() for depth in per_depth})
+  lines = [f"## {metric} by needle depth", "",
+           "Depth 0: the needle starts the text; 1: it ends right before the question.", "",
+           "| variant | length | " + " | ".join(f"{d:g}" for d in depths) + " |",
+           "|---" * (len(depths) + 2) + "|"]
+  for (variant, length), per_depth in sorted(cells.items()):
+    column = lambda depth, key: [row[key] for row in per_depth.get(depth, ()) if key in row]
+    lines.append(f"| {variant} | {length} | " + " | ".join(
+        _summary_cell(column(d, metric), column(d, f"{metric}_ci_low"),
+                      column(d, f"{metric}_ci_high"), best) for d in depths) + " |")
+  return lines + [""]
+
+
+def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
+  """summary.md: `metric` by evaluation length per variant (the rows without a depth), by needle
+  depth (depth_rows, when there are some), and the runs without results."""
   best = min if metric == "perplexity" else max
   table = aggregate(rows, metric)
+  lows, highs = _intervals(rows, metric)
   all_lengths = {length for per in table.values() for length in per}
   # The ALiBi paper's comparison point, 8x the training length, else the longest one.
   ratio_length = 8 * train_length if 8 * train_length in all_lengths else max(all_lengths, default=0)
   lines = [f"# Summary: {metric} by evaluation length", "",
-           f"Trained at length {train_length}. Cells: mean +/- std over seeds (best seed). "
+           f"Trained at length {train_length}. Cells: mean +/- std over seeds (best seed) "
+           "[95% bootstrap interval over the evaluated windows or examples, averaged over seeds]. "
            f"`ratio` is the mean at length {ratio_length} over the mean at the training length.",
            ""]
   for mode in sorted({mode for mode, _, _ in table}):
     lengths = sorted({length for (m, _, _), per in table.items() if m == mode for length in per})
     lines += [f"## {mode}", "", "| variant | " + " | ".join(map(str, lengths)) + " | ratio |",
               "|---" * (len(lengths) + 2) + "|"]
-    for (m, variant, scaling), per_length in sorted(table.items()):
+    for point, per_length in sorted(table.items()):
+      m, variant, scaling = point
       if m != mode:
         continue
-      cells = []
-      for length in lengths:
-        values = per_length.get(length)
-        if not values:
-          cells.append("")
-          continue
-        mean, std = _mean_std(values)
-        cells.append(f"{mean:.3f} +/- {std:.3f} ({best(values):.3f})" if len(values) > 1
-                     else f"{mean:.3f}")
+      cells = [_summary_cell(per_length.get(length), lows.get(point, {}).get(length),
+                             highs.get(point, {}).get(length), best)
+               for length in lengths]
       ratio = ""
       if (per_length.get(train_length) and per_length.get(ratio_length)
           and _mean_std(per_length[train_length])[0]):
         ratio = (f"{_mean_std(per_length[ratio_length])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
       lines.append(f"| {scaled_label(variant, scaling)} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
+  if depth_rows:
+    lines += _depth_lines(depth_rows, metric, best)
   if not_done:
     lines += ["## Runs without results", "", "| run | state | reason |", "|---|---|---|"]
     for name, status in not_done:
@@ -163,27 +207,55 @@ def write_summary(path, rows, not_done, metric, train_length):
     f.write("\n".join(lines))
 
 
-def write(workdir: str) -> list[str]:
-  """results.csv, summary.md and the figures of a run or sweep directory, from its runs'
-  eval.json files. Returns the names of the runs without results (pending, failed, skipped or
-  not evaluated)."""
+class Written(NamedTuple):
+  files: list[str]  # the files written in the workdir: results.csv, summary.md, the figures
+  missing: list[str]  # the runs without results (pending, failed, skipped or not evaluated)
+
+
+def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
+  """Draws the figures of the results (research.plots) into `workdir`; returns their names:
+  extrapolation.png and loss_by_position.png always, rope_scaling.png with RoPE-scaled rows,
+  needle_heatmap.png and lost_in_the_middle.png with needle depths, tasks.png over several tasks,
+  width.png over several widths (these two of the unscaled rows)."""
   from research import plots  # noqa: PLC0415 (matplotlib only when drawing)
 
-  rows, not_done = collect(workdir)
-  rows = eval_results.latest(rows)
-  config = workdirs.base_config(workdir)
-  metric = "perplexity" if data.is_language_modeling(config) else "accuracy"
-  train_length = config.train.seq_len
-  write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length)
-  if rows:
-    plots.save(plots.extrapolation([row for row in rows if row["rope_scaling"] == "none"], metric,
-                                   train_length), os.path.join(workdir, "extrapolation.png"))
-    rope_runs = {row["run"] for row in rows if row["rope_scaling"] != "none"}
-    if rope_runs:
-      plots.save(plots.extrapolation(
+  plain = [row for row in rows if row["rope_scaling"] == "none"]
+  rope_runs = {row["run"] for row in rows if row["rope_scaling"] != "none"}
+  keys = swept_keys(rows)
+  figures = [  # (name, whether the results call for it, how to draw it)
+      ("extrapolation.png", True, lambda: plots.extrapolation(plain, metric, train_length)),
+      ("rope_scaling.png", bool(rope_runs), lambda: plots.extrapolation(
           [row for row in rows if row["run"] in rope_runs and row["eval_mode"] == "nonoverlapping"],
-          metric, train_length), os.path.join(workdir, "rope_scaling.png"))
-    by_position = plots.loss_by_position(rows, train_length)
-    if by_position:
-      plots.save(by_position, os.path.join(workdir, "loss_by_position.png"))
-  return [name for name, _ in not_done]
+          metric, train_length)),
+      ("loss_by_position.png", True, lambda: plots.loss_by_position(rows, train_length)),
+      ("needle_heatmap.png", bool(depth_rows), lambda: plots.needle_heatmap(depth_rows, metric)),
+      ("lost_in_the_middle.png", bool(depth_rows),
+       lambda: plots.lost_in_the_middle(depth_rows, metric)),
+      ("tasks.png", "data.name" in keys and not data.is_language_modeling(config),
+       lambda: plots.task_panels(plain, metric)),
+      ("width.png", "model.d_model" in keys, lambda: plots.width(plain, metric)),
+  ]
+  written = []
+  for name, wanted, draw in figures:
+    figure = draw() if wanted else None
+    if figure is not None:
+      plots.save(figure, os.path.join(workdir, name))
+      written.append(name)
+  return written
+
+
+def write(workdir: str) -> Written:
+  """results.csv, summary.md and the figures of a run or sweep directory, from its runs'
+  eval.json files."""
+  all_rows, not_done = collect(workdir)
+  all_rows = eval_results.latest(all_rows)
+  rows = [row for row in all_rows if row.get("depth") is None]  # one per run x length x mode
+  depth_rows = [row for row in all_rows if row.get("depth") is not None]
+  config = workdirs.base_config(workdir)
+  metric = ("perplexity" if data.is_language_modeling(config) else
+            "exact_match" if config.data.name in data.NEEDLE_NAMES else "accuracy")
+  train_length = config.train.seq_len
+  write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length,
+                depth_rows)
+  figures = _write_figures(workdir, rows, depth_rows, config, metric, train_length) if rows else []
+  return Written(["results.csv", "summary.md", *figures], [name for name, _ in not_done])

@@ -4,6 +4,7 @@ import gzip
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 
@@ -13,10 +14,13 @@ import tensorflow_datasets as tfds
 
 from configs import base
 from research import data
+from research.data import algorithmic
 from research.data import catalog
 from research.data import corpus
+from research.data import needles
 from research.data import pipeline
 from research.data import storage
+from research.data import tasks
 from research.data import vocab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,12 +121,158 @@ def test_task_examples(task, data_dir):
         assert mask.sum() <= config.data.train_max_length
 
 
+# The answer of every algorithmic task from its input, written independently of
+# research.data.algorithmic (arXiv:2207.02098's definitions).
+REFERENCE = {
+    "parity_check": lambda x: [x.count(1) % 2],
+    "even_pairs": lambda x: [int(x[0] != x[-1])],
+    "modular_arithmetic": lambda x: [eval("".join({5: "+", 6: "-", 7: "*"}.get(t, str(t))
+                                                  for t in x)) % 5],
+    "cycle_navigation": lambda x: [sum(t - 1 for t in x) % 5],
+    "stack_manipulation": lambda x: [int(c) for c in reversed(_stack(x))],
+    "duplicate_string": lambda x: x + x,
+    "missing_duplicate_string": lambda x: [_missing(x)],
+    "odds_first": lambda x: [t for i, t in enumerate(x) if i % 2 == 0] + [
+        t for i, t in enumerate(x) if i % 2 == 1],
+    "binary_addition": lambda x: [int(c) for c in reversed(bin(_little_endian_sum(x))[2:])],
+    "bucket_sort": sorted,
+}
+TERMINATED = ("stack_manipulation", "binary_addition")  # answers end with SEP
+
+
+def _stack(x):
+  """Bits 0/1 push themselves (the initial stack), 2 pops, 3/4 push 0/1."""
+  stack = ""
+  for t in x:
+    stack = stack[:-1] if t == 2 else stack + str(t if t < 2 else t - 3)
+  return stack
+
+
+def _missing(x):
+  w = [t for t in x if t != 3]
+  i, half = w.index(2), len(w) // 2
+  return w[i - half] if i >= half else w[i + half]
+
+
+def _little_endian_sum(x):
+  a, b = "".join(map(str, x)).split("2")
+  return int(a[::-1], 2) + int(b[::-1], 2)
+
+
+def test_suite_is_the_papers():
+  assert sorted(algorithmic.SUITE) == sorted(REFERENCE)
+  assert set(algorithmic.SUITE) <= set(catalog.TASK_NAMES)
+
+
+@pytest.mark.parametrize("task", sorted(algorithmic.SUITE))
+def test_algorithmic_task_targets(task, data_dir):
+  config = make_config(task, data_dir, **{"data.task_vocab_size": 8})
+  sep, pad = vocab.TaskVocab(8).sep, vocab.TaskVocab(8).pad
+  batches = [("train", config.train.seq_len, data.train_batch(config, step)) for step in range(2)]
+  batches += [("eval", length, b) for length in config.eval.lengths
+              for b in data.eval_batches(config, length, "nonoverlapping")]
+  train_sizes = []
+  for split, length, batch in batches:
+    assert batch["inputs"].shape[1] == length and batch["inputs"].max() <= pad
+    for seq, mask in zip(sequences(batch), batch["loss_mask"]):
+      n = int(np.flatnonzero(seq == sep)[0])
+      x = seq[:n].tolist()
+      answer = REFERENCE[task](x) + ([sep] if task in TERMINATED else [])
+      end = n + 1 + len(answer)
+      assert seq[n + 1:end].tolist() == answer, (task, x)
+      np.testing.assert_array_equal(np.flatnonzero(mask) + 1, np.arange(n + 1, end))
+      assert (seq[end:] == pad).all()
+      if split == "train":
+        train_sizes.append(n)
+      else:  # evaluation examples are of the largest size that fits (odd for modular_arithmetic)
+        assert n in (tasks.TASKS[task].size_for_length(length),
+                     tasks.TASKS[task].size_for_length(length) - 1)
+  assert tasks.TASKS[task].min_size <= min(train_sizes) < max(train_sizes) <= 20
+
+
+NEEDLE = {"train.seq_len": 400, "eval.lengths": (400, 700), "eval.depths": (0.0, 0.3, 1.0),
+          "data.num_train_examples": 16, "data.num_eval_examples": 3, "train.batch_size": 4,
+          "data.num_distractors": 2, "data.num_values": 3}
+_NEEDLE_LINE = rb"\n([^\n]*)\n"
+
+
+def parse_needle_text(task, text):
+  """(the expected answer, the filler bytes before the asked needle, all filler bytes), read
+  from the text alone: the needles in it and the question that ends it."""
+  context, question = text.rsplit(b"\n", 1)
+  pieces = re.split(_NEEDLE_LINE, context)  # filler, needle, filler, needle, ..., filler
+  filler, lines = pieces[0::2], pieces[1::2]
+  assert b"".join(filler) == ((needles.FILLER + b" ") * 100)[:sum(map(len, filler))]
+  if task == "passkey":
+    assert question.startswith(b"What is the pass key? The pass key is ")
+    (key,) = re.findall(rb"The pass key is (\d+)\. Remember it\. \1 is the pass key\.", context)
+    values, asked = [key], [i for i, line in enumerate(lines) if key in line]
+  else:
+    key = re.match(rb"What (?:is|are all) the special magic numbers? for ([a-z]+)\?", question)[1]
+    values = re.findall(rb"special magic numbers for " + key + rb" is: (\d+)\.", context)
+    asked = [i for i, line in enumerate(lines) if key in line]
+    num_needles = len(re.findall(rb"special magic numbers for [a-z]+ is", context))
+    expected = {"needle_single": (1, 1), "needle_multikey": (1, 1 + NEEDLE["data.num_distractors"]),
+                "needle_multivalue": (NEEDLE["data.num_values"], NEEDLE["data.num_values"])}
+    assert (len(values), num_needles) == expected[task]
+  assert len(asked) == 1
+  before = sum(len(piece) for piece in filler[:asked[0] + 1])
+  return b" " + b", ".join(values), before, sum(map(len, filler))
+
+
+@pytest.mark.parametrize("task", needles.TASKS)
+def test_needle_examples(task, data_dir):
+  config = make_config(task, data_dir, **NEEDLE)
+  assert data.vocab_size(config) == vocab.BYTE_VOCAB_SIZE and not data.is_language_modeling(config)
+  batches = [(None, data.train_batch(config, step)) for step in range(2)]
+  batches += [(depth, b) for length in config.eval.lengths for depth in config.eval.depths
+              for b in data.eval_batches(config, length, "nonoverlapping", depth=depth)]
+  assert sum(len(b["inputs"]) for _, b in batches) == 8 + 2 * 3 * 3
+  for depth, batch in batches:
+    for seq, mask in zip(sequences(batch), batch["loss_mask"]):
+      real = seq[seq != vocab.PAD]
+      assert (seq[len(real):] == vocab.PAD).all() and real.max() < 256
+      text = real.astype(np.uint8).tobytes()
+      answer, before, filler = parse_needle_text(task, text)
+      assert text.endswith(answer)
+      scored = np.flatnonzero(mask) + 1  # positions in seq of the scored targets
+      assert seq[scored].astype(np.uint8).tobytes() == answer.replace(b" ", b"").replace(b",", b"")
+      assert scored.min() > len(text) - len(answer)
+      if depth is None:  # training: random length and depth, padded to seq_len
+        assert needles.min_length(task, data.builders.needle_params(config)) < len(text) <= 401
+      else:  # evaluation: exactly the eval length, the asked needle at the depth
+        assert len(text) == len(seq) and abs(before - depth * filler) <= 0.5
+
+
+def test_needle_depths_and_lengths_spread(data_dir):
+  config = make_config("passkey", data_dir, **{**NEEDLE, "data.num_train_examples": 64})
+  seen = []
+  for batch in [data.train_batch(config, step) for step in range(8)]:
+    for seq in sequences(batch):
+      text = seq[seq != vocab.PAD].astype(np.uint8).tobytes()
+      _, before, filler = parse_needle_text("passkey", text)
+      seen.append((len(text), before / max(filler, 1)))
+  lengths, depths = np.array(seen).T
+  assert lengths.min() < 250 and lengths.max() > 350 and depths.min() < 0.2 and depths.max() > 0.8
+
+
+def test_eval_batches_depth_errors(data_dir):
+  with pytest.raises(ValueError, match=r"valid depths are \(0.0, 0.3, 1.0\)"):
+    data.eval_batches(make_config("passkey", data_dir, **NEEDLE), 400, "nonoverlapping", depth=0.5)
+  with pytest.raises(ValueError, match=r"valid depths are \(None,\)"):
+    data.eval_batches(make_config("copy", data_dir), 64, "nonoverlapping", depth=0.5)
+
+
 def test_task_configs_do_not_collide(data_dir):
   tfds_name = lambda name, **o: catalog.resolve(make_config(name, data_dir, **o)).tfds_name
   changes = [{}, {"data.task_vocab_size": 8}, {"train.seq_len": 128}, {"eval.lengths": (64,)}]
   assert len({tfds_name("copy", **o) for o in changes}) == len(changes)
   assert tfds_name("mqar") != tfds_name("mqar", **{"data.num_kv_pairs": 2})
   assert tfds_name("mqar") == tfds_name("mqar", **{"data.train_max_length": 30})  # unused by mqar
+  needle = lambda name, **o: tfds_name(name, **{**NEEDLE, **o})
+  assert needle("passkey") != needle("passkey", **{"eval.depths": (0.0, 1.0)})
+  assert needle("needle_multikey") != needle("needle_multikey", **{"data.num_distractors": 1})
+  assert needle("passkey") == needle("passkey", **{"data.num_distractors": 1})  # unused by passkey
 
 
 @pytest.mark.parametrize("name", ["mqar", "text_dir"])
@@ -144,6 +294,21 @@ def test_train_batch_is_a_pure_function_partitioned_over_processes(name, data_di
       np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), batch[key])
   with pytest.raises(ValueError, match="divide"):
     data.train_batch(config, 3, 0, 3)
+
+
+@pytest.mark.parametrize("name", ["copy", "passkey"])
+def test_train_batches_are_the_prepared_examples(name, data_dir):
+  """Training batches gather from the example arrays: the same rows as the TFDS split."""
+  config = make_config(name, data_dir, **(NEEDLE if name == "passkey" else {}))
+  batch = data.train_batch(config, 7)
+  dataset = catalog.resolve(config)
+  examples = storage.source(dataset, storage.data_dir(config), "train")
+  chosen = np.random.default_rng((config.train.seed, 7)).integers(
+      0, len(examples), config.train.batch_size)
+  for row, index in enumerate(chosen.tolist()):
+    for key in batch:
+      np.testing.assert_array_equal(batch[key][row], examples[index][key])
+      assert batch[key].dtype == examples[index][key].dtype
 
 
 _SUBPROCESS = """
@@ -353,6 +518,28 @@ def bad_configs(data_dir, text_corpus, empty_dir):
       ("text_dir", {**lm, "data.corpus_path": str(empty_dir)}, ["contains no files"]),
       ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "missing")}, ["neither a file, a directory"]),
       ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "*.txt")}, ["contains no files"]),
+      ("parity", {}, ["data.name='parity' is unknown", "parity_check", "passkey", "bucket_sort"]),
+      ("modular_arithmetic", {"data.task_vocab_size": 4},
+       ["task_vocab_size=4 is too small for modular_arithmetic", "task_vocab_size >= 8"]),
+      ("duplicate_string", {"data.train_max_length": 30}, ["need 90 inputs", "use train.seq_len "
+                                                          ">= 90 or train_max_length <= 21"]),
+      ("passkey", {**NEEDLE, "eval.depths": (0.5, 1.5)},
+       ["eval.depths=(0.5, 1.5) must be one or more needle depths in [0, 1]"]),
+      ("passkey", {**NEEDLE, "eval.depths": ()}, ["eval.depths=() must be"]),
+      ("passkey", {**NEEDLE, "eval.lengths": (100, 400)},
+       ["eval.lengths has 100, too short for passkey", "use lengths >= 103"]),
+      ("needle_multikey", {**NEEDLE, "data.num_distractors": 3, "train.seq_len": 300},
+       ["train.seq_len has 300, too short for needle_multikey", "use lengths >= 313"]),
+      ("needle_multikey", {**NEEDLE, "data.num_distractors": 0},
+       ["data.num_distractors=0 must be >= 1 for needle_multikey"]),
+      ("needle_multivalue", {**NEEDLE, "data.num_values": 1},
+       ["data.num_values=1 must be >= 2 for needle_multivalue"]),
+      ("needle_single", {**NEEDLE, "data.needle_value_digits": 0},
+       ["data.needle_value_digits=0 must be in 1..18"]),
+      ("needle_multivalue", {**NEEDLE, "data.needle_value_digits": 1, "data.num_values": 10},
+       ["needs 10 distinct values but data.needle_value_digits=1 gives 9"]),
+      ("passkey", {**NEEDLE, "eval.bootstrap_samples": 0},
+       ["eval.bootstrap_samples=0 must be positive"]),
   ]
 
 
@@ -365,6 +552,8 @@ def test_validate_errors(tmp_path, text_corpus):
       assert phrase in str(error.value), (name, overrides, str(error.value))
   data.validate(lm_config(tmp_path / "data", text_corpus))
   data.validate(make_config("mqar", tmp_path / "data"))
+  for task in needles.TASKS:
+    data.validate(make_config(task, tmp_path / "data", **NEEDLE))
   assert not (tmp_path / "data").exists()  # validate writes nothing
 
 

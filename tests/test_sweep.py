@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from research import attention
+from research import data
 from research import eval_results
 from research import report
 from research import sweep
@@ -69,8 +71,13 @@ def test_results_csv_is_tidy_with_swept_fields(finished_sweep):
   with open(os.path.join(workdir, "results.csv")) as f:
     rows = list(csv.DictReader(f))
   required = {"run", "attention", "position", "seed", "train_length", "eval_length", "eval_mode",
-              "loss", "perplexity", "model.attention", "model.position"}
-  assert required <= set(rows[0])
+              "loss", "perplexity", "model.attention", "model.position", "sequences",
+              *report.CI_COLUMNS}
+  assert required <= set(rows[0]) and "depth" not in rows[0]
+  for row in rows:
+    for metric in report.INTERVAL_METRICS:
+      low, high = float(row[f"{metric}_ci_low"]), float(row[f"{metric}_ci_high"])
+      assert low <= float(row[metric]) <= high
   assert sorted((r["eval_length"], r["eval_mode"]) for r in rows) == [
       ("32", "nonoverlapping"), ("32", "sliding"), ("64", "nonoverlapping"), ("64", "sliding")]
   for name in ("extrapolation.png", "loss_by_position.png", "summary.md"):
@@ -135,14 +142,104 @@ def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(
   assert (tmp_path / "results.csv").exists() and (tmp_path / "extrapolation.png").exists()
 
 
+NOT_EXPERIMENTS = ("base.py", "sweeps.py", "__init__.py")  # configs/ files without a sweep
 EXPERIMENTS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "configs"))
-                     if name.endswith(".py") and name not in ("base.py", "__init__.py"))
+                     if name.endswith(".py") and name not in NOT_EXPERIMENTS)
+
+
+def _expand(name, preset):
+  module = sweep.load_module(os.path.join(ROOT, "configs", f"{name}.py"))
+  return sweep.expand(module.get_sweep(preset), module.get_config(preset), num_devices=1)
 
 
 @pytest.mark.parametrize("name,preset", [(n, p) for n in EXPERIMENTS for p in ("quick", "full")])
 def test_experiment_configs_expand_into_valid_sweeps(name, preset):
   """Every shipped sweep validates before any work: names, fields, compatible pairs."""
-  module = sweep.load_module(os.path.join(ROOT, "configs", f"{name}.py"))
-  members = sweep.expand(module.get_sweep(preset), module.get_config(preset), num_devices=1)
+  members = _expand(name, preset)
   assert len({m.name for m in members}) == len(members) > 1
   assert sum(not m.skip_reason for m in members) >= len(members) // 2
+
+
+@pytest.mark.parametrize("preset", ["quick", "full"])
+def test_mqar_sweeps_every_mixer_at_several_lengths_and_pair_counts(preset):
+  members = [m.config for m in _expand("mqar", preset)]
+  assert {c.model.attention for c in members} == set(attention.REGISTRY)
+  for mixer in attention.REGISTRY:
+    mine = [c for c in members if c.model.attention == mixer]
+    assert len({c.train.seq_len for c in mine}) >= 2
+    assert len({c.data.num_kv_pairs for c in mine}) >= 2
+    assert len({c.model.d_model for c in mine}) >= 2
+
+
+@pytest.mark.parametrize("preset", ["quick", "full"])
+def test_algorithmic_preset_follows_the_protocol(preset):
+  configs = [m.config for m in _expand("algorithmic", preset)]
+  for config in configs:
+    assert (config.data.train_min_length, config.data.train_max_length) == (1, 40)
+  if preset == "full":
+    assert {c.data.name for c in configs} == set(data.algorithmic.SUITE)
+    assert {c.train.seed for c in configs} == {0, 1, 2}
+    sizes = {data.tasks.TASKS[c.data.name].size_for_length(max(c.eval.lengths)) for c in configs}
+    assert sizes == {500}
+
+
+def _fake_evaluations(config, member_index):
+  """eval.json rows as research.extrapolation writes them, with made-up metrics."""
+  rows = []
+  depths = data.eval_depths(config)
+  for length in config.eval.lengths:
+    for depth in depths + ((None,) if depths != (None,) else ()):
+      at = 0.5 if depth is None else depth
+      settings = {"step": config.train.num_steps, "eval_length": length,
+                  "eval_mode": "nonoverlapping", "rope_scaling": "none", "num_tokens": 0,
+                  "sliding_stride": 0, "bootstrap_samples": 10, "bootstrap_seed": 0}
+      if depths != (None,):
+        settings["depths"] = list(depths)
+      if depth is not None:
+        settings["depth"] = depth
+      value = 0.9 - 0.1 * member_index - 0.3 * at * length / max(config.eval.lengths)
+      metrics = {"loss": 1 - value, "perplexity": 3 - value, "accuracy": value,
+                 "exact_match": value, "tokens": 80, "sequences": 16,
+                 "loss_by_position": [0.5] * length}
+      for name in report.INTERVAL_METRICS:
+        metrics[f"{name}_ci_low"] = metrics[name] - 0.05
+        metrics[f"{name}_ci_high"] = metrics[name] + 0.05
+      rows.append({**settings, **metrics})
+  return rows
+
+
+@pytest.mark.parametrize("name,figures", [
+    ("long_context", ("needle_heatmap.png", "lost_in_the_middle.png", "tasks.png")),
+    ("mqar", ("width.png",)), ("algorithmic", ("tasks.png",))])
+def test_figures_and_summary_from_results_files(name, figures, tmp_path):
+  module = sweep.load_module(os.path.join(ROOT, "configs", f"{name}.py"))
+  members = _expand(name, "quick")
+  workdir = str(tmp_path)
+  sweep.check_sweep_workdir(workdir, module.get_config("quick"), members)
+  for index, member in enumerate(members):
+    directory = sweep.run_dir(workdir, member)
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+      f.write(member.config.to_json())
+    eval_results.append(directory, _fake_evaluations(member.config, index % 3))
+    with open(os.path.join(directory, "status.json"), "w") as f:
+      json.dump({"state": "done"}, f)
+  written = report.write(workdir)
+  assert written.missing == []
+  assert set(written.files) == {"results.csv", "summary.md", "extrapolation.png",
+                                "loss_by_position.png", *figures}
+  for file_name in written.files:
+    assert os.path.getsize(os.path.join(workdir, file_name)) > 0, file_name
+  with open(os.path.join(workdir, "results.csv")) as f:
+    rows = list(csv.DictReader(f))
+  summary = open(os.path.join(workdir, "summary.md")).read()
+  if name == "long_context":
+    depths = {row["depth"] for row in rows}
+    assert depths == {"", *map(str, members[0].config.eval.depths)}
+    assert "## exact_match by needle depth" in summary
+    # passkey with MHA and RoPE is member 0: 0.9 - 0.3 * depth * length / 1024
+    assert ("| passkey / rope | 512 | 0.900 [0.850, 0.950] | 0.863 [0.812, 0.913] | "
+            "0.825 [0.775, 0.875] |") in summary
+  else:
+    assert "depth" not in open(os.path.join(workdir, "results.csv")).readline()
+  assert "[" in summary.split("## nonoverlapping")[1]  # intervals in the main table

@@ -12,7 +12,9 @@ import pytest
 
 from research import eval_results
 from research import extrapolation
+from research import report
 from research import train
+from tests import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -103,3 +105,26 @@ def test_user_errors_are_one_line_and_write_nothing(trained_run, tmp_path):
     (line,) = [line for line in errors.splitlines() if line.startswith("error:")]
     assert line.startswith(expected), (line, expected)
   assert not os.path.exists(new)
+
+
+def test_a_needle_run_gets_a_row_per_depth_and_one_pooling_them(tmp_path):
+  config = tiny_config.get_config()
+  config.data.update(dict(name="passkey", needle_value_digits=2, num_train_examples=64,
+                          num_eval_examples=4))
+  config.train.seq_len = 128
+  config.eval.update(dict(lengths=(128,), depths=(0.0, 1.0), bootstrap_samples=50))
+  workdir = str(tmp_path / "run")
+  train.train_and_evaluate(config, workdir)
+  rows = extrapolation.evaluate_run(config, workdir, progress=lambda line: None)
+  assert [row.get("depth") for row in rows] == [0.0, 1.0, None]
+  assert all(row["depths"] == [0.0, 1.0] for row in rows)
+  assert [row["sequences"] for row in rows] == [4, 4, 8]
+  assert extrapolation.evaluate_run(config, workdir, progress=lambda line: None) == []
+  config.eval.depths = (0.5,)  # other depths: new rows, the earlier ones kept
+  assert [row.get("depth") for row in extrapolation.evaluate_run(
+      config, workdir, progress=lambda line: None)] == [0.5, None]
+  assert len(eval_results.read(workdir)) == 5
+  written = report.write(workdir)
+  assert {"needle_heatmap.png", "lost_in_the_middle.png"} <= set(written.files)
+  summary = open(os.path.join(workdir, "summary.md")).read()
+  assert "## exact_match by needle depth" in summary and "| 0 | 0.5 | 1 |" in summary

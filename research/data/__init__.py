@@ -5,8 +5,9 @@ tfds.data_source into deterministic numpy batches.
   prepare(config)            build the configured dataset once per data dir (process-safe)
   train_batch(config, step, process_index=0, process_count=1)
                              this process's rows of the global batch of `step`
-  eval_batches(config, length, mode, split="validation")
-                             evaluation batches at `length` inputs
+  eval_batches(config, length, mode, split="validation", depth=None)
+                             evaluation batches at `length` inputs (of one needle depth)
+  eval_depths(config)        needle depths evaluated per length; (None,) for other datasets
   vocab_size(config)         token ids the dataset uses (model.vocab_size must be >= this)
   is_language_modeling(config)  True for byte corpora (loss, perplexity), False for tasks
 
@@ -14,6 +15,8 @@ Batches are dicts of numpy arrays `inputs`, `targets` (int32) and `loss_mask` (f
 """
 
 from research.data.catalog import NAMES
+from research.data.catalog import NEEDLE_NAMES
+from research.data.catalog import eval_depths
 from research.data.catalog import is_language_modeling
 from research.data.catalog import vocab_size
 from research.data.pipeline import eval_batches

@@ -7,6 +7,11 @@ Splits: `train` (num_train_examples of training size, padded to seq_len inputs) 
 that fits, exactly L inputs). Every split draws from its own generator seeded by
 (seed, split, L), so an example depends on the builder config alone.
 
+NeedleTask (research.data.needles): the same for the byte-level retrieval tasks, with a builder
+config per task parameters, `train` examples of random length and depth padded to seq_len, and
+`validation_<L>_depth<i>`, `test_<L>_depth<i>` splits of exactly L inputs for every evaluation
+length L and every i-th depth of eval.depths, each seeded by (seed, split, L, i).
+
 ByteCorpus: one example per corpus file (a whole file, or a byte range of one), features `path`
 and `text` (its raw bytes, decompressed if gzip), in relative-path order, splits train /
 validation / test as assigned by research.data.corpus; a builder config per file list, named
@@ -21,6 +26,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from research.data import corpus
+from research.data import needles
 from research.data import tasks
 
 _SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
@@ -31,9 +37,10 @@ def _digest(obj):
   return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def task_split(split, length):
-  """Name of the split of evaluation examples with `length` inputs."""
-  return f"{split}_{length}"
+def task_split(split: str, length: int, depth_index: int | None = None) -> str:
+  """Name of the split of evaluation examples with `length` inputs (at the depth_index-th
+  depth of a needle task)."""
+  return f"{split}_{length}" if depth_index is None else f"{split}_{length}_depth{depth_index}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -62,19 +69,23 @@ def task_config(config):
   return TaskConfig(name=f"{d.name}_{_digest(params)}", **params)
 
 
-class SyntheticTask(tfds.core.GeneratorBasedBuilder):
-  """Synthetic length-generalization tasks (research.data.tasks) as next-token examples."""
-
-  name = "research_synthetic_task"
-  VERSION = tfds.core.Version("1.0.0")
+class _NextTokenExamples(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Examples of inputs, targets (int32) and loss_mask (float32), in generation order."""
 
   def _info(self):
     sequence = lambda dtype: tfds.features.Tensor(shape=(None,), dtype=dtype, encoding="bytes")
     return tfds.core.DatasetInfo(
-        builder=self, description=__doc__, disable_shuffling=True,
+        builder=self, description=self.__doc__, disable_shuffling=True,
         features=tfds.features.FeaturesDict(
             {"inputs": sequence(np.int32), "targets": sequence(np.int32),
              "loss_mask": sequence(np.float32)}))
+
+
+class SyntheticTask(_NextTokenExamples):
+  """Synthetic length-generalization tasks (research.data.tasks) as next-token examples."""
+
+  name = "research_synthetic_task"
+  VERSION = tfds.core.Version("1.0.0")
 
   def _split_generators(self, dl_manager):
     del dl_manager
@@ -95,6 +106,69 @@ class SyntheticTask(tfds.core.GeneratorBasedBuilder):
       else:
         size = tasks.TASKS[c.task].size_for_length(length)
       yield i, tasks.example(c.task, rng, size, c.num_symbols, c.num_kv_pairs, length)
+
+
+@dataclasses.dataclass(eq=False)
+class NeedleConfig(tfds.core.BuilderConfig):
+  task: str = "passkey"
+  params: needles.NeedleParams = needles.NeedleParams(value_digits=5)
+  seq_len: int = 256
+  num_train_examples: int = 0
+  eval_lengths: tuple[int, ...] = ()
+  eval_depths: tuple[float, ...] = ()
+  num_eval_examples: int = 0
+  seed: int = 0
+
+
+def needle_params(config) -> needles.NeedleParams:
+  """The parameters of the configured needle task; those it does not use keep their defaults."""
+  d = config.data
+  return needles.NeedleParams(
+      value_digits=d.needle_value_digits,
+      num_distractors=d.num_distractors if d.name == "needle_multikey" else 0,
+      num_values=d.num_values if d.name == "needle_multivalue" else 1)
+
+
+def needle_config(config) -> NeedleConfig:
+  """The builder config of the needle task that `config` (a research config) asks for."""
+  d = config.data
+  params = dict(task=d.name, params=needle_params(config), seq_len=config.train.seq_len,
+                num_train_examples=d.num_train_examples,
+                eval_lengths=tuple(sorted(set(config.eval.lengths))),
+                eval_depths=tuple(config.eval.depths), num_eval_examples=d.num_eval_examples,
+                seed=0)
+  key = dict(params, params=dataclasses.asdict(params["params"]))
+  return NeedleConfig(name=f"{d.name}_{_digest(key)}", **params)
+
+
+class NeedleTask(_NextTokenExamples):
+  """Byte-level passkey and needle retrieval (research.data.needles) as next-token examples."""
+
+  name = "research_needle_task"
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    c = self.builder_config
+    splits = {"train": self._generate_examples("train")}
+    for split in EVAL_SPLITS:
+      for length in c.eval_lengths:
+        for index, depth in enumerate(c.eval_depths):
+          splits[task_split(split, length, index)] = self._generate_examples(
+              split, length, index, depth)
+    return splits
+
+  def _generate_examples(self, split, length=None, depth_index=None, depth=None):
+    """The train split (length None), or the examples of one evaluation (length, depth)."""
+    c = self.builder_config
+    if length is None:
+      rng = np.random.default_rng([c.seed, _SPLIT_SEEDS[split]])
+      for i in range(c.num_train_examples):
+        yield i, needles.train_example(c.task, rng, c.params, c.seq_len)
+      return
+    rng = np.random.default_rng([c.seed, _SPLIT_SEEDS[split], length, depth_index])
+    for i in range(c.num_eval_examples):
+      yield i, needles.example(c.task, rng, c.params, length, depth, length)
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,6 +1,9 @@
 """The datasets `config.data.name` selects, and the TFDS builder behind each.
 
-- Synthetic tasks (research.data.tasks): copy, reverse, sort, induction, mqar.
+- Synthetic tasks (research.data.tasks): copy, reverse, sort, induction, mqar, and the
+  algorithmic suite of research.data.algorithmic (parity_check, ..., bucket_sort).
+- Needle tasks (research.data.needles): passkey and RULER's needle_single, needle_multikey,
+  needle_multivalue, byte level, evaluated at every eval length x eval depth.
 - Local byte corpora (research.data.corpus): stdlib_bytes, text_dir.
 - Named TFDS corpora, which download their text: pg19, lm1b (lm1b has no validation split; its
   test split serves as validation). Preparing them needs the network, and TFDS's own builders
@@ -17,10 +20,13 @@ import tensorflow_datasets as tfds
 
 from research.data import builders
 from research.data import corpus
+from research.data import needles
 from research.data import tasks
 from research.data import vocab
 
-TASK_NAMES = tuple(tasks.TASKS)
+SYMBOL_TASK_NAMES = tuple(tasks.TASKS)
+NEEDLE_NAMES = tuple(needles.TASKS)
+TASK_NAMES = SYMBOL_TASK_NAMES + NEEDLE_NAMES
 LOCAL_CORPORA = ("stdlib_bytes", "text_dir")
 
 
@@ -67,9 +73,15 @@ def is_language_modeling(config):
 
 def vocab_size(config):
   """Number of token ids the configured dataset uses."""
-  if is_language_modeling(config):
+  if is_language_modeling(config) or config.data.name in NEEDLE_NAMES:
     return vocab.BYTE_VOCAB_SIZE
   return vocab.TaskVocab(config.data.task_vocab_size).size
+
+
+def eval_depths(config) -> tuple:
+  """The needle depths evaluated at each length: eval.depths for the needle tasks, else (None,)."""
+  check_name(config.data.name)
+  return tuple(config.eval.depths) if config.data.name in NEEDLE_NAMES else (None,)
 
 
 def _local(builder_cls, name, builder_config, **kwargs):
@@ -84,8 +96,10 @@ def resolve(config):
   """The Dataset of `config`; local corpus files are listed once per process."""
   d = config.data
   check_name(d.name)
-  if d.name in TASK_NAMES:
+  if d.name in SYMBOL_TASK_NAMES:
     return _local(builders.SyntheticTask, d.name, builders.task_config(config))
+  if d.name in NEEDLE_NAMES:
+    return _local(builders.NeedleTask, d.name, builders.needle_config(config))
   if d.name in LOCAL_CORPORA:
     return _corpus(d.name, d.corpus_path if d.name == "text_dir" else "")
   name, named = d.name, NAMED_CORPORA[d.name]

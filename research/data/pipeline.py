@@ -17,8 +17,11 @@ len - 1) targets of the split's token stream exactly once, the same text for eve
   tokens, each later one only its last S (the last: those not scored yet), so every token after
   the first window is predicted with at least L - S tokens of context.
 A window cut short by the end of the text is right-padded with PAD at loss mask 0. Tasks are
-evaluated on their num_eval_examples examples of exactly L inputs, whatever the mode.
+evaluated on their num_eval_examples examples of exactly L inputs, whatever the mode; needle
+tasks on those of one depth of eval.depths, or of every depth one after another.
 """
+
+import itertools
 
 import numpy as np
 
@@ -62,8 +65,11 @@ def train_batch(config, step, process_index=0, process_count=1):
   rows = slice(process_index * local, (process_index + 1) * local)
   rng = np.random.default_rng((config.train.seed, step))
   if dataset.text_feature is None:
-    examples = storage.source(dataset, data_dir, "train")
-    return _stack(examples.__getitems__(rng.integers(0, len(examples), batch_size)[rows].tolist()))
+    tokens, mask = storage.example_arrays(dataset, data_dir, "train")
+    chosen = rng.integers(0, len(tokens), batch_size)[rows]
+    sequences = tokens[chosen].astype(np.int32)
+    return {"inputs": sequences[:, :-1], "targets": sequences[:, 1:],
+            "loss_mask": mask[chosen].astype(np.float32)}
   stream = storage.token_stream(dataset, data_dir, "train")
   starts = rng.integers(0, len(stream) - seq_len, batch_size)[rows]
   windows = stream[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
@@ -105,18 +111,29 @@ def _task_batches(examples, batch_size):
     yield _stack(examples.__getitems__(range(first, min(first + batch_size, len(examples)))))
 
 
-def eval_batches(config, length, mode, split="validation"):
-  """Evaluation batches of eval.batch_size (the last one may be smaller) at `length` inputs."""
+def eval_batches(config, length, mode, split="validation", depth=None):
+  """Evaluation batches of eval.batch_size (the last one may be smaller) at `length` inputs.
+
+  For a needle task, `depth` (one of eval.depths) selects that depth's examples; None gives every
+  depth's examples in turn. Other datasets take depth=None.
+  """
   dataset, data_dir = _ready(config)
   if mode not in validation.EVAL_MODES:
     raise ValueError(f"unknown eval mode {mode!r}; valid: {', '.join(validation.EVAL_MODES)}")
+  depths = catalog.eval_depths(config)
+  if depth is not None and depth not in depths:
+    raise ValueError(f"depth={depth} is not evaluated for {dataset.name}: valid depths are "
+                     f"{depths} (eval.depths for the needle tasks {catalog.NEEDLE_NAMES})")
   if dataset.text_feature is None:
     if split not in builders.EVAL_SPLITS or length not in config.eval.lengths:
       raise ValueError(
           f"{dataset.name} has evaluation examples for splits {builders.EVAL_SPLITS} at "
           f"eval.lengths={tuple(config.eval.lengths)}, not split {split!r} at length {length}")
-    examples = storage.source(dataset, data_dir, builders.task_split(split, length))
-    return _task_batches(examples, config.eval.batch_size)
+    names = [builders.task_split(split, length, None if d is None else i)
+             for i, d in enumerate(depths) if depth is None or d == depth]
+    return itertools.chain.from_iterable(
+        _task_batches(storage.source(dataset, data_dir, name), config.eval.batch_size)
+        for name in names)
   if split not in dataset.splits:
     raise ValueError(
         f"unknown split {split!r} of {dataset.name}; valid: {', '.join(dataset.splits)}")

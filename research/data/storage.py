@@ -6,7 +6,10 @@ runs download_and_prepare, which writes an `incomplete.*` directory and renames 
 So concurrent processes build a dataset once and a partial dataset is never read as complete.
 A corpus split is read once into a packed token stream, its documents' bytes each followed by
 END_OF_DOCUMENT, stored as little-endian uint16 in <data_dir>/streams/ (written to a temporary
-file, then renamed) and memory-mapped. Data sources and streams are cached per
+file, then renamed) and memory-mapped. A task's train split is likewise read once into two
+arrays in <data_dir>/examples/, each example's tokens (inputs then the last target, uint16) and
+its loss mask (uint8), so that a training batch is a memory-mapped gather rather than a TFDS
+decode per example. Data sources, streams and example arrays are cached per
 (dataset, data dir, split) for the life of the process.
 """
 
@@ -26,6 +29,8 @@ STREAM_DTYPE = np.dtype("<u2")
 _PREPARED = set()
 _SOURCES = {}
 _STREAMS = {}
+_EXAMPLES = {}
+_READ_CHUNK = 1024  # examples decoded at once while writing the example arrays
 
 
 def data_dir(config):
@@ -74,6 +79,46 @@ def source(dataset, data_dir, tfds_split):
     _SOURCES[key] = tfds.data_source(
         dataset.tfds_name, split=tfds_split, data_dir=data_dir, download=False)
   return _SOURCES[key]
+
+
+def _temporary_path(path):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".incomplete-")
+  os.close(fd)
+  return tmp
+
+
+def _write_example_arrays(examples, tokens_path, mask_path):
+  """Writes every example's tokens and mask; the mask file, renamed last, marks completion."""
+  first = examples[0]
+  shape = (len(examples), first["inputs"].size)
+  tmp_tokens, tmp_mask = _temporary_path(tokens_path), _temporary_path(mask_path)
+  tokens = np.lib.format.open_memmap(tmp_tokens, "w+", STREAM_DTYPE, (shape[0], shape[1] + 1))
+  mask = np.lib.format.open_memmap(tmp_mask, "w+", np.uint8, shape)
+  for start in range(0, shape[0], _READ_CHUNK):
+    chunk = examples.__getitems__(range(start, min(start + _READ_CHUNK, shape[0])))
+    rows = slice(start, start + len(chunk))
+    tokens[rows, 0] = [example["inputs"][0] for example in chunk]
+    tokens[rows, 1:] = np.stack([example["targets"] for example in chunk])
+    mask[rows] = np.stack([example["loss_mask"] for example in chunk])
+  for array, tmp, path in ((tokens, tmp_tokens, tokens_path), (mask, tmp_mask, mask_path)):
+    array.flush()
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; the prepared data is shared
+    os.replace(tmp, path)
+
+
+def example_arrays(dataset, data_dir, split):
+  """(tokens [N, L + 1] uint16, loss_mask [N, L] uint8) of a task split whose N examples all
+  have L inputs (inputs = tokens[:, :-1], targets = tokens[:, 1:]), read-only memory maps."""
+  key = (dataset.tfds_name, data_dir, split)
+  if key not in _EXAMPLES:
+    directory = os.path.join(data_dir, "examples", dataset.tfds_name, dataset.version)
+    tokens_path = os.path.join(directory, f"{split}.tokens.npy")
+    mask_path = os.path.join(directory, f"{split}.loss_mask.npy")
+    if not (os.path.exists(tokens_path) and os.path.exists(mask_path)):
+      _write_example_arrays(source(dataset, data_dir, split), tokens_path, mask_path)
+    _EXAMPLES[key] = (np.load(tokens_path, mmap_mode="r"), np.load(mask_path, mmap_mode="r"))
+  return _EXAMPLES[key]
 
 
 def _write_stream(documents, text_feature, path):

@@ -16,6 +16,8 @@ of symbols n, except for mqar where it is the number of inputs L.
   from p(g) ∝ g^(a - 1), a = 0.01, and PAD elsewhere; scored: the values after the queries. Keys
   are distinct symbols from the first half of the symbols, values distinct from the second half.
   L inputs, which needs 4m <= L.
+- the algorithmic suite of arXiv:2207.02098 (research.data.algorithmic): x_1..x_n SEP y, and a
+  final SEP after answers of variable length; scored: y and that SEP.
 """
 
 import dataclasses
@@ -23,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from research.data import algorithmic
 from research.data import vocab as vocab_lib
 
 MQAR_POWER = 0.01
@@ -36,6 +39,7 @@ class Task:
   inputs_for_size: Callable[[int], int]  # input tokens of an example of that size
   size_for_length: Callable[[int], int]  # largest size that fits in that many inputs
   min_size: int
+  min_symbols: int = 2  # data.task_vocab_size must be at least this
 
 
 def _answer_after_separator(transform):
@@ -74,6 +78,28 @@ def _mqar(rng, length, vocab, num_kv_pairs):
   return seq, scored
 
 
+def _algorithm_task(algorithm):
+  def generate(rng, n, vocab, num_kv_pairs):
+    del num_kv_pairs
+    x = algorithm.sample(rng, n)
+    end = [vocab.sep] if algorithm.variable_length else []
+    seq = np.concatenate([x, [vocab.sep], algorithm.solve(x), end])
+    return seq, np.arange(seq.size) > len(x)
+
+  def inputs_for_size(n):
+    return n + algorithm.answer_tokens(n)
+
+  def size_for_length(length):
+    """The largest n >= 1 with inputs_for_size(n) <= length (inputs_for_size increases)."""
+    low, high = 1, max(length, 1)
+    while low < high:
+      middle = (low + high + 1) // 2
+      low, high = (middle, high) if inputs_for_size(middle) <= length else (low, middle - 1)
+    return low
+
+  return Task(generate, inputs_for_size, size_for_length, algorithm.min_size, algorithm.alphabet)
+
+
 TASKS = {
     "copy": Task(_answer_after_separator(lambda x: x), lambda n: 2 * n, lambda l: l // 2, 1),
     "reverse": Task(
@@ -81,6 +107,7 @@ TASKS = {
     "sort": Task(_answer_after_separator(np.sort), lambda n: 2 * n, lambda l: l // 2, 1),
     "induction": Task(_induction, lambda n: 2 * n - 1, lambda l: (l + 1) // 2, 2),
     "mqar": Task(_mqar, lambda l: l, lambda l: l, 1),
+    **{name: _algorithm_task(algorithm) for name, algorithm in algorithmic.SUITE.items()},
 }
 
 
@@ -91,7 +118,13 @@ def example(task, rng, size, num_symbols, num_kv_pairs, length):
   """
   vocab = vocab_lib.TaskVocab(num_symbols)
   seq, scored = TASKS[task].generate(rng, size, vocab, num_kv_pairs)
-  padded = np.full(length + 1, vocab.pad, np.int32)
+  return next_token_example(seq, scored, length, vocab.pad)
+
+
+def next_token_example(seq: np.ndarray, scored: np.ndarray, length: int, pad: int) -> dict:
+  """inputs = seq[:-1], targets = seq[1:], loss_mask = scored[1:], right-padded with `pad` (loss
+  mask 0) to `length` positions."""
+  padded = np.full(length + 1, pad, np.int32)
   padded[:seq.size] = seq
   mask = np.zeros(length + 1, np.float32)
   mask[:seq.size] = scored

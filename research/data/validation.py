@@ -1,7 +1,9 @@
 """Checks a config's data, train and eval fields before any work, and writes nothing."""
 
+from research.data import builders
 from research.data import catalog
 from research.data import corpus
+from research.data import needles
 from research.data import storage
 from research.data import tasks
 
@@ -26,7 +28,8 @@ def _problems(config):
     return [f"data.name={d.name!r} is unknown; valid: {', '.join(catalog.NAMES)}"]
   problems = [f"{field}={value} must be positive" for field, value in [
       ("train.seq_len", t.seq_len), ("train.batch_size", t.batch_size),
-      ("eval.batch_size", e.batch_size)] if value <= 0]
+      ("eval.batch_size", e.batch_size), ("eval.bootstrap_samples", e.bootstrap_samples)]
+      if value <= 0]
   if not e.lengths or min(e.lengths) <= 0:
     problems.append(f"eval.lengths={tuple(e.lengths)} must be one or more positive lengths")
   if t.seed < 0:
@@ -39,17 +42,63 @@ def _problems(config):
                     f"distributed.num_processes={config.distributed.num_processes}")
   if problems:  # the checks below assume positive sizes
     return problems
-  return _task_problems(config) if d.name in catalog.TASK_NAMES else _corpus_problems(config)
+  if d.name in catalog.NEEDLE_NAMES:
+    return _example_count_problems(config) + _needle_problems(config)
+  if d.name in catalog.SYMBOL_TASK_NAMES:
+    return _example_count_problems(config) + _task_problems(config)
+  return _corpus_problems(config)
+
+
+def _example_count_problems(config):
+  d = config.data
+  return [f"{field}={value} must be positive" for field, value in [
+      ("data.num_train_examples", d.num_train_examples),
+      ("data.num_eval_examples", d.num_eval_examples)] if value <= 0]
+
+
+MAX_VALUE_DIGITS = 18  # values stay int64
+
+
+def _needle_problems(config):
+  d, t, e = config.data, config.train, config.eval
+  problems = []
+  depths = tuple(e.depths)
+  if not depths or any(not 0 <= depth <= 1 for depth in depths):
+    problems.append(f"eval.depths={depths} must be one or more needle depths in [0, 1] (0: the "
+                    "needle starts the text, 1: it ends right before the question)")
+  elif len(set(depths)) != len(depths):
+    problems.append(f"eval.depths={depths} repeats a depth; give each depth once")
+  if not 1 <= d.needle_value_digits <= MAX_VALUE_DIGITS:
+    problems.append(f"data.needle_value_digits={d.needle_value_digits} must be in "
+                    f"1..{MAX_VALUE_DIGITS}")
+  if d.name == "needle_multikey" and d.num_distractors < 1:
+    problems.append(f"data.num_distractors={d.num_distractors} must be >= 1 for needle_multikey "
+                    "(needles of other keys; needle_single has none)")
+  if d.name == "needle_multivalue" and d.num_values < 2:
+    problems.append(f"data.num_values={d.num_values} must be >= 2 for needle_multivalue (values "
+                    "of the asked key; needle_single has one)")
+  if problems:  # the length checks below need valid parameters
+    return problems
+  params = builders.needle_params(config)
+  values = params.num_distractors + params.num_values
+  available = 9 * 10 ** (params.value_digits - 1)  # numbers without a leading zero
+  if values > available:
+    return [f"{d.name} needs {values} distinct values but data.needle_value_digits="
+            f"{params.value_digits} gives {available}; use more digits"]
+  shortest = needles.min_length(d.name, params)
+  lengths = [("train.seq_len", t.seq_len)] + [("eval.lengths", length) for length in e.lengths]
+  return [f"{field} has {length}, too short for {d.name}: its needles, question and answer "
+          f"take {shortest} inputs with no filler; use lengths >= {shortest}"
+          for field, length in lengths if length < shortest]
 
 
 def _task_problems(config):
   d, t, e = config.data, config.train, config.eval
   task, num_symbols = tasks.TASKS[d.name], d.task_vocab_size
-  problems = [f"{field}={value} must be positive" for field, value in [
-      ("data.num_train_examples", d.num_train_examples),
-      ("data.num_eval_examples", d.num_eval_examples)] if value <= 0]
-  if num_symbols < 2:
-    problems.append(f"data.task_vocab_size={num_symbols} must be >= 2")
+  problems = []
+  if num_symbols < task.min_symbols:
+    problems.append(f"data.task_vocab_size={num_symbols} is too small for {d.name}, which uses "
+                    f"{task.min_symbols} symbols; use data.task_vocab_size >= {task.min_symbols}")
   if d.name == "mqar":
     m = d.num_kv_pairs
     lengths = [("train.seq_len", t.seq_len)] + [("eval.lengths", length) for length in e.lengths]

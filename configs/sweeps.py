@@ -1,0 +1,18 @@
+"""Sweep axes read from the registries, so that a new variant joins every sweep with no edit."""
+
+from research import attention
+from research import model as model_lib
+
+
+def every_variant() -> list[tuple[str, str]]:
+  """(attention, position): every attention type with each position scheme it supports."""
+  return [(name, position) for name, cls in sorted(attention.REGISTRY.items())
+          for position in model_lib.compatible_positions(cls)]
+
+
+def every_mixer(preferred_position: str = "rope") -> list[tuple[str, str]]:
+  """(attention, position): every attention type once, with preferred_position where it supports
+  it and no position scheme otherwise."""
+  return [(name, preferred_position
+           if preferred_position in model_lib.compatible_positions(cls) else "none")
+          for name, cls in sorted(attention.REGISTRY.items())]

@@ -1,0 +1,64 @@
+"""Tests of research.evaluate and research.bootstrap: per-row sums and their intervals."""
+
+import math
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from research import bootstrap
+from research import evaluate
+from research import model as model_lib
+from research import sharding
+
+
+def test_bootstrap_matches_the_normal_approximation_of_a_proportion():
+  rng = np.random.default_rng(1)
+  rate = {"rate": lambda sums: sums["hits"] / sums["rows"]}
+  for num_rows in (100, 10_000):
+    rows = {"hits": (rng.random(num_rows) < 0.3).astype(float), "rows": np.ones(num_rows)}
+    ((low, high),) = bootstrap.intervals(rows, rate, samples=2000, seed=0).values()
+    p = rows["hits"].mean()
+    normal_width = 2 * 1.96 * math.sqrt(p * (1 - p) / num_rows)
+    assert low < p < high and abs((high - low) / normal_width - 1) < 0.15, (num_rows, low, high)
+  seeded = lambda seed: bootstrap.intervals(rows, rate, 500, seed=seed)
+  assert seeded(3) == seeded(3) != seeded(4)
+
+
+def test_eval_step_sums_per_row_and_intervals_cover_the_metrics(model_config):
+  model = model_lib.build_model(model_config, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  rng = np.random.default_rng(0)
+  batches = []
+  for rows in (8, 8, 3):  # the last batch is short: padded, and its padding dropped
+    mask = (rng.random((rows, 16)) < 0.5).astype(np.float32)
+    mask[0] = 0  # a row without scored tokens is no evaluation row
+    tokens = rng.integers(0, model_config.vocab_size, (rows, 17)).astype(np.int32)
+    batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask})
+  mesh = sharding.make_mesh((-1, 1, 1))
+  with jax.set_mesh(mesh):
+    sums = evaluate.row_sums(evaluate.make_eval_step(graphdef), params, iter(batches), mesh, 8)
+  scored = [(b, i) for b in batches for i in range(len(b["inputs"])) if b["loss_mask"][i].any()]
+  assert len(sums["rows"]["tokens"]) == len(scored) == 16
+  for column, (b, i) in enumerate(scored):
+    logits = model(b["inputs"][i:i + 1])[0]
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"][i])
+    correct = (np.argmax(logits, -1) == b["targets"][i]) * b["loss_mask"][i]
+    np.testing.assert_allclose(sums["rows"]["nll"][column], (nll * b["loss_mask"][i]).sum(),
+                               rtol=1e-5)
+    assert sums["rows"]["tokens"][column] == b["loss_mask"][i].sum()
+    assert sums["rows"]["correct"][column] == correct.sum()
+    assert sums["rows"]["exact"][column] == (correct.sum() == b["loss_mask"][i].sum())
+  metrics = evaluate.metrics(sums, bootstrap_samples=300, bootstrap_seed=0)
+  rows = sums["rows"]
+  np.testing.assert_allclose(metrics["loss"], rows["nll"].sum() / rows["tokens"].sum(), rtol=1e-6)
+  assert metrics["tokens"] == rows["tokens"].sum() and metrics["sequences"] == 16
+  for name in ("loss", "perplexity", "accuracy", "exact_match"):
+    assert metrics[f"{name}_ci_low"] <= metrics[name] <= metrics[f"{name}_ci_high"]
+  assert metrics["loss_ci_low"] < metrics["loss_ci_high"]
+  np.testing.assert_allclose(np.log(metrics["perplexity_ci_high"]), metrics["loss_ci_high"],
+                             rtol=1e-4)  # the quantiles interpolate between resamples
+  both = evaluate.concatenate([sums, sums])
+  assert len(both["rows"]["nll"]) == 32
+  np.testing.assert_allclose(both["tokens_by_position"], 2 * sums["tokens_by_position"])
