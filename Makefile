@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# Test processes: the suite is dominated by XLA compiles, which one process runs on one core.
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
@@ -16,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) -m experiments.bench --suite=mixers --out=runs/bench

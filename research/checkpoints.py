@@ -37,7 +37,8 @@ class CheckpointWriteError(OSError):
 
 
 def directory(workdir: str) -> str:
-  return os.path.join(workdir, "checkpoints")
+  """The absolute checkpoint directory of `workdir` (orbax refuses relative paths)."""
+  return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
 def steps(workdir: str) -> list[int]:

@@ -31,9 +31,11 @@ def _command(module, *args):
                         capture_output=True, text=True)
 
 
-def test_evaluate_a_trained_run_at_new_lengths_and_scalings_then_plot_it(trained_run, tmp_path):
+def test_evaluate_a_trained_run_at_new_lengths_and_scalings_then_plot_it(trained_run, tmp_path,
+                                                                          monkeypatch):
   config, workdir = _copy(trained_run, tmp_path)
-  first = extrapolation.evaluate_run(config, workdir, progress=lambda line: None)
+  monkeypatch.chdir(tmp_path)  # a relative workdir, as in `make demo` (orbax needs absolute paths)
+  first = extrapolation.evaluate_run(config, "run", progress=lambda line: None)
   assert sorted((r["eval_length"], r["eval_mode"]) for r in first) == [
       (32, "nonoverlapping"), (32, "sliding"), (64, "nonoverlapping"), (64, "sliding")]
   result = _command("evaluate", f"--workdir={workdir}", "--config.eval.lengths=(32,128)",

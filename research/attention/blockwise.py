@@ -7,7 +7,8 @@ l and unnormalised output acc:
   p = exp(s - m'),   l' = l exp(m - m') + rowsum p,   acc' = acc exp(m - m') + p v,   out = acc / l.
 Key blocks entirely in the future are skipped; the causal mask is by token index. The forward pass
 keeps only out and the row log-sum-exp (O(length) memory); the custom VJP recomputes each
-[block, block] tile, including its bias, so no [length, length] matrix is ever stored. The bias
+[block, block] tile, including its bias, so no [length, length] matrix is ever stored; the backward pass visits each tile once (one loop over
+key blocks that also accumulates dQ), recomputing its logits and bias once. The bias
 is a function `bias_fn(params, q_positions_BxQ, k_positions_BxS) -> [B, N, Q, S]` (or None) of
 the position scheme's parameters: the backward pass also returns their gradient, the pullback of
 each tile's dlogits through bias_fn. Grouped-query attention groups the query heads over the
@@ -121,35 +122,30 @@ def _attention_bwd(block, scale, bias_fn, residuals, d_out):
     delta_i = jax.lax.dynamic_slice_in_dim(delta, i * block, block, axis=3)
     return q_i, do_i, p, p * (dp - delta_i[..., None])
 
-  def key_block(j):  # dK_j, dV_j sum over query blocks i >= j
-    def visit(i, carry):
-      dk, dv = carry
-      q_i, do_i, p, ds = probabilities_and_dlogits(i, j, tiles.bias(i, j)[0])
+  def key_block(carry, j):
+    """dK_j and dV_j sum over query blocks i >= j; each tile (i, j) also adds its share to dQ_i
+    and to d(bias params), so every tile's logits and bias are recomputed once."""
+    k_j, v_j = _block(k, j, block), _block(v, j, block)
+
+    def visit(i, inner):
+      dk, dv, dq, d_params = inner
+      bias, to_params = tiles.bias(i, j)
+      q_i, do_i, p, ds = probabilities_and_dlogits(i, j, bias)
       dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, do_i.astype(jnp.float32))
       dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i.astype(jnp.float32)) * scale
-      return dk, dv
-
-    zeros = jnp.zeros(_block(k, j, block).shape, jnp.float32)
-    return jax.lax.fori_loop(j, num_blocks, visit, (zeros, zeros))
-
-  def query_block(i):  # dQ_i and this block's share of d(bias params) sum over key blocks j <= i
-    def visit(j, carry):
-      dq, d_params = carry
-      bias, to_params = tiles.bias(i, j)
-      _, _, _, ds = probabilities_and_dlogits(i, j, bias)
-      dq = dq + jnp.einsum("bkgqs,bskh->bqkgh", ds, _block(k, j, block).astype(jnp.float32)) * scale
+      dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j.astype(jnp.float32)) * scale
+      dq = jax.lax.dynamic_update_slice_in_dim(dq, _block(dq, i, block) + dq_i, i * block, axis=1)
       if to_params is not None:
         d_params = jax.tree.map(jnp.add, d_params, to_params(ds))
-      return dq, d_params
+      return dk, dv, dq, d_params
 
-    init = (jnp.zeros(_block(q, i, block).shape, jnp.float32),
-            jax.tree.map(jnp.zeros_like, bias_params))
-    return jax.lax.fori_loop(0, i + 1, visit, init)
+    zeros = jnp.zeros(k_j.shape, jnp.float32)
+    dk, dv, dq, d_params = jax.lax.fori_loop(j, num_blocks, visit, (zeros, zeros, *carry))
+    return (dq, d_params), (dk, dv)
 
-  dk, dv = jax.lax.map(key_block, jnp.arange(num_blocks))
-  dq, d_params = jax.lax.map(query_block, jnp.arange(num_blocks))
-  d_params = jax.tree.map(lambda g: g.sum(0), d_params)
-  return _unblock(dq, q), _unblock(dk, k), _unblock(dv, v), None, d_params
+  init = (jnp.zeros(q.shape, jnp.float32), jax.tree.map(jnp.zeros_like, bias_params))
+  (dq, d_params), (dk, dv) = jax.lax.scan(key_block, init, jnp.arange(num_blocks))
+  return dq.astype(q.dtype), _unblock(dk, k), _unblock(dv, v), None, d_params
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

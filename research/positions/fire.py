@@ -55,6 +55,6 @@ class FIRE(base.PositionScheme):
     normaliser = jnp.log(jnp.abs(c * query) + 1) + EPSILON
     relative = jnp.log(jnp.abs(c * base.distance(q_positions_BxT, k_positions_BxS)[:, 0]) + 1)
     x_BxTxS = relative / normaliser[:, :, None]
-    hidden = jax.nn.relu(x_BxTxS[..., None] * self.hidden_kernel[...] + self.hidden_bias[...])
-    out_BxTxSxN = hidden @ self.out_kernel[...] + self.out_bias[...]
-    return jnp.moveaxis(out_BxTxSxN, -1, 1)
+    hidden_BxTxSxF = jax.nn.relu(x_BxTxS[..., None] * self.hidden_kernel[...] + self.hidden_bias[...])
+    return (jnp.einsum("btsf,fn->bnts", hidden_BxTxSxF, self.out_kernel[...])
+            + self.out_bias[...][:, None, None])
