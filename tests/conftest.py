@@ -81,4 +81,6 @@ def trained_run(tmp_path_factory):
 
 def pytest_sessionfinish(session, exitstatus):
   del session, exitstatus
-  shutil.rmtree(SESSION_TMP, ignore_errors=True)
+  # pytest-xdist workers share the directory their controller made: the controller removes it.
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
