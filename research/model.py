@@ -56,9 +56,8 @@ def validate(model_config):
   if d < 1 or heads < 1 or d % heads:
     raise ValueError(f"d_model={d} is not divisible by num_heads={heads}; valid num_heads: "
                      f"{[h for h in range(1, d + 1) if d % h == 0]}")
-  for name in ("vocab_size",):
-    if model_config[name] < 1:
-      raise ValueError(f"model.{name} must be >= 1, got {model_config[name]}")
+  if model_config.vocab_size < 1:
+    raise ValueError(f"model.vocab_size must be >= 1, got {model_config.vocab_size}")
   for name in ("mlp_ratio", "randomize_max_length"):
     if model_config[name] < 0:
       raise ValueError(f"model.{name} must be >= 0 (0 turns it off), got {model_config[name]}")

@@ -38,7 +38,7 @@ class Registry(dict):
     """The entry's hyperparameters from `model_config` (its defaults where the sub-dict is absent)."""
     key = self.settings_key(name)
     defaults = ml_collections.ConfigDict(dict(self.lookup(name).hyperparameters))
-    given = model_config.get(key) if hasattr(model_config, "get") else None
+    given = model_config.get(key)
     if given is None:
       return defaults
     unknown = sorted(set(given) - set(defaults))
