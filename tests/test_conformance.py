@@ -1,8 +1,10 @@
 """Conformance suite: every registered attention type x compatible position x CPU backend.
 
 Adding a variant to research.attention.REGISTRY (or a scheme to research.positions.REGISTRY)
-adds it here: shapes and dtypes, causality, decode == full forward, finite gradients, and the
-same logits under an 8-device mesh with the sharding rules.
+adds it here: shapes and dtypes, causality, finite gradients, prefill in chunks then decode ==
+full forward (state carried across chunks), a packed row of documents == each document alone,
+and the same logits under an 8-device mesh with the sharding rules. Softmax attention also runs
+with a sliding window and sinks (the rolling decode cache).
 """
 
 import functools
@@ -17,8 +19,16 @@ import research
 from research import attention, model as model_lib, positions, sharding
 from tests.conftest import tiny_model_config
 
-BATCH, LENGTH, PREFILL = 4, 19, 7  # not multiples of the block / chunk size 8
+BATCH, LENGTH, PREFILL, SECOND_CHUNK = 4, 19, 7, 5  # not multiples of the block / chunk size 8
 CPU_BACKENDS = ("xla", "blockwise")
+# Packed documents of lengths 6, 9, 4 / 3, 16 / 19 / 8, 1, 10: they start inside chunks of 8, span
+# chunk boundaries, and one is a single token.
+SEGMENTS = np.array([[0] * 6 + [1] * 9 + [2] * 4, [0] * 3 + [1] * 16, [0] * 19,
+                     [0] * 8 + [1] + [2] * 10], np.int32)
+# Softmax attention with a sliding window of 5 keys (and 2 sinks): whole tiles of 8 are skipped,
+# and the rolling decode cache of sinks + window slots wraps around.
+WINDOWED = [("mha", "rope", "xla", (5, 2)), ("mha", "alibi", "blockwise", (5, 2)),
+            ("gqa", "t5", "blockwise", (5, 0)), ("mqa", "none", "xla", (5, 0))]
 
 
 def _family(mixer_cls):
@@ -40,23 +50,28 @@ def _variants():
         continue
       seen_hooks.add(hooks)
       for backend in backends:
-        yield pytest.param(name, position, backend,
+        yield pytest.param(name, position, backend, None,
                            id="-".join(x for x in (name, position, backend) if x))
     families_done.add(_family(mixer_cls))
+  for name, position, backend, (window, sinks) in WINDOWED:
+    yield pytest.param(name, position, backend, (window, sinks),
+                       id=f"{name}-{position}-{backend}-window{window}-sinks{sinks}")
 
 
 VARIANTS = list(_variants())
+PARAMETERS = "name,position,backend,window"
 
 
 @functools.cache
-def _compiled(name, position, backend):
+def _compiled(name, position, backend, window=None):
   """The variant's state, jitted (gradient, logits) / forward / decode functions, empty cache."""
+  settings = {} if window is None else {"softmax": dict(window=window[0], sinks=window[1])}
   config = tiny_model_config(attention=name, position=position,
-                             attention_backend=backend or "xla")
+                             attention_backend=backend or "xla", **settings)
   graphdef, state = nnx.split(research.build_model(config, rngs=nnx.Rngs(0)))
 
-  def forward(state, tokens):
-    return nnx.merge(graphdef, state)(tokens)
+  def forward(state, tokens, segments=None):
+    return nnx.merge(graphdef, state)(tokens, segments_BxL=segments)
 
   def loss_and_logits(state, tokens):
     logits = forward(state, tokens)
@@ -76,9 +91,9 @@ def _tokens(seed=0, vocab=61):
   return jax.random.randint(jax.random.key(seed), (BATCH, LENGTH), 0, vocab)
 
 
-@pytest.mark.parametrize("name,position,backend", VARIANTS)
-def test_shapes_causality_and_gradients(name, position, backend):
-  state, grad_and_logits, _, _, _ = _compiled(name, position, backend)
+@pytest.mark.parametrize(PARAMETERS, VARIANTS)
+def test_shapes_causality_and_gradients(name, position, backend, window):
+  state, grad_and_logits, _, _, _ = _compiled(name, position, backend, window)
   tokens = _tokens()
   grads, logits = grad_and_logits(state, tokens)
   assert logits.shape == (BATCH, LENGTH, 61) and logits.dtype == jnp.float32
@@ -93,23 +108,46 @@ def test_shapes_causality_and_gradients(name, position, backend):
   assert sum(float(jnp.abs(g).sum()) for g in grads) > 0
 
 
-@pytest.mark.parametrize("name,position,backend", VARIANTS)
-def test_decode_matches_full_forward(name, position, backend):
-  state, grad_and_logits, _, decode, cache = _compiled(name, position, backend)
+@pytest.mark.parametrize(PARAMETERS, VARIANTS)
+def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, backend, window):
+  """forward([a; b; c...]) == prefill(a), prefill(b) from a's state, then one token at a time."""
+  state, grad_and_logits, _, decode, cache = _compiled(name, position, backend, window)
   tokens = _tokens(1)
   expected = grad_and_logits(state, tokens)[1]
-  logits, cache = decode(state, tokens[:, :PREFILL], cache)
-  steps = [logits]
-  for t in range(PREFILL, LENGTH):
+  middle = PREFILL + SECOND_CHUNK
+  first, cache = decode(state, tokens[:, :PREFILL], cache)
+  second, cache = decode(state, tokens[:, PREFILL:middle], cache)
+  steps = [first, second]
+  for t in range(middle, LENGTH):
     logits, cache = decode(state, tokens[:, t:t + 1], cache)
     steps.append(logits)
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), expected, atol=2e-4, rtol=2e-4)
   assert int(cache["index"]) == LENGTH
 
 
-@pytest.mark.parametrize("name,position,backend", VARIANTS)
-def test_sharded_equals_unsharded(name, position, backend):
-  state, grad_and_logits, forward, _, _ = _compiled(name, position, backend)
+@pytest.mark.parametrize(PARAMETERS, VARIANTS)
+def test_packed_documents_equal_each_document_alone(name, position, backend, window):
+  """A row of packed documents (segment ids, positions restarting per document) gives each
+  document the logits it gets alone, at the start of a row (causality makes what follows it in
+  that row irrelevant, so one compiled shape serves every document)."""
+  state, _, forward, _, _ = _compiled(name, position, backend, window)
+  tokens = _tokens(3)
+  packed = forward(state, tokens, jnp.asarray(SEGMENTS))
+  for row, segments in enumerate(SEGMENTS):
+    starts = [int(np.argmax(segments == s)) for s in np.unique(segments)]
+    alone = forward(state, jnp.stack([jnp.roll(tokens[row], -start) for start in starts]
+                                     + [tokens[row]] * (BATCH - len(starts))))
+    for i, start in enumerate(starts):
+      end = start + int((segments == segments[start]).sum())
+      np.testing.assert_allclose(packed[row, start:end], alone[i, :end - start],
+                                 atol=2e-5, rtol=2e-5)
+  unpacked = forward(state, tokens)  # the segments made a difference
+  assert float(jnp.abs(unpacked[0, 6:] - packed[0, 6:]).max()) > 1e-4
+
+
+@pytest.mark.parametrize(PARAMETERS, VARIANTS)
+def test_sharded_equals_unsharded(name, position, backend, window):
+  state, grad_and_logits, forward, _, _ = _compiled(name, position, backend, window)
   tokens = _tokens(2)
   expected = grad_and_logits(state, tokens)[1]
   mesh = sharding.make_mesh((2, 2, 2))

@@ -11,6 +11,7 @@ from research import positions
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
+from research.attention.retention import chunked_retention
 from research.attention.ssm import SCANS, chunked_selective_scan
 from research.positions import alibi_slopes
 from tests.conftest import tiny_model_config
@@ -155,3 +156,105 @@ def test_associative_reference_equals_sequential_reference():
   for g, w in zip(reference.associative_selective_scan(*inputs),
                   reference.sequential_selective_scan(*inputs)):
     np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def _document_index(segments_row):
+  """Index of each token within its document, by a loop (independent of research.attention.masks)."""
+  index, count = [], 0
+  for t, segment in enumerate(segments_row):
+    count = 0 if t and segment != segments_row[t - 1] else count + (t > 0)
+    index.append(count)
+  return index
+
+
+def _visible(segments_BxT, window, sinks):
+  """The mask by its definition, element by element."""
+  segments = np.asarray(segments_BxT)
+  b, t = segments.shape
+  mask = np.zeros((b, t, t), bool)
+  for row in range(b):
+    inside = _document_index(segments[row])
+    for i in range(t):
+      for j in range(i + 1):
+        near = not window or i - j < window or inside[j] < sinks
+        mask[row, i, j] = near and segments[row, i] == segments[row, j]
+  return mask
+
+
+SEGMENTS_37 = jnp.array([[0] * 10 + [1] * 20 + [2] * 7, [0] * 3 + [1] * 34])
+
+
+@pytest.mark.parametrize("window,sinks,packed", [
+    (5, 0, False), (11, 3, False), (0, 0, True), (6, 2, True), (20, 0, True)])
+def test_blockwise_window_sinks_and_documents_equal_the_naive_reference(window, sinks, packed):
+  """Outputs and gradients (q, k, v and the ALiBi bias parameters) against the reference with
+  the mask built element by element; block 8, so whole tiles are skipped."""
+  length, heads, kv_heads = 37, 4, 2
+  q = _normal(0, (2, length, heads, 8))
+  k, v = _normal(1, (2, length, kv_heads, 8)), _normal(2, (2, length, kv_heads, 8))
+  segments = SEGMENTS_37 if packed else jnp.zeros((2, length), jnp.int32)
+  positions_BxT = jnp.arange(length)[None]
+  bias_fn, params = _bias_function("t5", heads)
+  mask = jnp.asarray(_visible(segments, window, sinks))
+  d_out = _normal(3, q.shape)
+
+  def vjp(f):
+    out, pullback = jax.vjp(f, q, k, v, params)
+    return out, pullback(d_out)
+
+  fast = jax.jit(lambda: vjp(lambda *a: blockwise_attention(
+      *a[:3], positions_BxT, bias_fn, a[3], block_size=8, window=window, sinks=sinks,
+      segments_BxT=segments if packed else None)))()
+  naive = jax.jit(lambda: vjp(lambda q, k, v, p: reference.softmax_attention(
+      q, k, v, bias_fn(p, positions_BxT, positions_BxT), mask_BxTxS=mask)))()
+  for g, w in zip(jax.tree.leaves(fast), jax.tree.leaves(naive)):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def _per_document(fn, segments_BxT, *arrays):
+  """fn applied to each document of each row alone ([1, length_d, ...] slices), concatenated."""
+  rows = []
+  for row, segment_row in enumerate(np.asarray(segments_BxT)):
+    parts = [fn(*(a[row:row + 1, segment_row == s] for a in arrays))
+             for s in np.unique(segment_row)]
+    rows.append(jnp.concatenate(parts, axis=1))
+  return jnp.concatenate(rows, axis=0)
+
+
+def test_chunked_linear_attention_restarts_at_document_starts():
+  b, length, n, h = 2, 37, 2, 8
+  q, k, v = (FEATURE_MAPS["elu"](_normal(i, (b, length, n, h))) for i in range(3))
+  state = (jnp.zeros((b, n, h, h)), jnp.zeros((b, n, h)))
+  got, _ = chunked_linear_attention(q, k, v, state, feature_map="relu", chunk_size=8,
+                                    segments=SEGMENTS_37)  # relu is the identity on q, k > 0
+  want = _per_document(reference.linear_attention, SEGMENTS_37, q, k, v)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  unpacked, _ = chunked_linear_attention(q, k, v, state, feature_map="relu", chunk_size=8)
+  assert float(jnp.abs(unpacked[:, 10:] - got[:, 10:]).max()) > 1e-3  # the segments mattered
+
+
+def test_chunked_retention_equals_the_recurrence_from_a_state_and_per_document():
+  b, length, n, h = 2, 37, 3, 4
+  q, k, v = (_normal(i, (b, length, n, h)) for i in range(3))
+  gamma = 1.0 - 2.0 ** (-1.0 - np.arange(n))  # fast decays: every chunk boundary matters
+  state = _normal(5, (b, n, h, h))
+  got, got_state = chunked_retention(q, k, v, gamma, state, chunk_size=8)
+  want, want_state = reference.retention(q, k, v, gamma, state)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(got_state, want_state, atol=1e-4, rtol=1e-4)
+  zeros = jnp.zeros((1, n, h, h))
+  packed, _ = chunked_retention(q, k, v, gamma, jnp.concatenate([zeros, zeros]), chunk_size=8, segments=SEGMENTS_37)
+  alone = _per_document(lambda *a: reference.retention(*a, gamma, zeros)[0], SEGMENTS_37, q, k, v)
+  np.testing.assert_allclose(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scan", sorted(SCANS))
+def test_chunked_scan_resets_at_document_starts(scan):
+  x, delta, A, B, C, _ = _ssm_inputs(length=37)
+  h0 = jnp.zeros((1, x.shape[-1], A.shape[-1]))
+  resets = jnp.asarray(np.diff(np.asarray(SEGMENTS_37), axis=1, prepend=0) != 0)
+  got, _ = chunked_selective_scan(x, delta, A, B, C, jnp.concatenate([h0, h0]), chunk_size=8, scan=scan,
+                                  resets=resets)
+  want = _per_document(lambda x, d, b, c: reference.sequential_selective_scan(x, d, A, b, c, h0)[0],
+                       SEGMENTS_37, x, delta, B, C)
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 
 
-def softmax_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_BxNxTxS=None, scale=None):
-  """Causal softmax(scale q k^T + bias) v with K/V heads repeated to N; scale 1/sqrt(H)."""
+def softmax_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_BxNxTxS=None, scale=None,
+                      mask_BxTxS=None):
+  """softmax(scale q k^T + bias, mask) v with K/V heads repeated to N; scale 1/sqrt(H); the mask
+  (True: visible) defaults to causal."""
   n, h = q_BxTxNxH.shape[2:]
   group = n // k_BxSxKxH.shape[2]
   k = jnp.repeat(k_BxSxKxH, group, axis=2)
@@ -19,8 +21,8 @@ def softmax_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_BxNxTxS=None, scale=
   if bias_BxNxTxS is not None:
     logits = logits + bias_BxNxTxS
   t, s = logits.shape[-2:]
-  causal = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
-  logits = jnp.where(causal, logits, -jnp.inf)
+  mask = (jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]) if mask_BxTxS is None else mask_BxTxS
+  logits = jnp.where(mask if mask.ndim == 2 else mask[:, None], logits, -jnp.inf)
   return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v)
 
 
@@ -36,6 +38,19 @@ def linear_attention(phi_q, phi_k, v, rotated_q=None, rotated_k=None, eps=1e-6):
   numerator = jnp.einsum("blnh,blnhe->blne", rotated_q, state)
   denominator = jnp.einsum("blnh,blnh->bln", phi_q, normalizer)
   return numerator / (denominator[..., None] + eps)
+
+
+def retention(q, k, v, gamma_N, state):
+  """S_n = gamma S_{n-1} + k_n^T v_n, o_n = q_n S_n, one token at a time; q, k, v [B, L, N, H]."""
+  gamma = jnp.asarray(gamma_N, jnp.float32)[None, :, None, None]
+
+  def step(state, qkv):
+    q_t, k_t, v_t = qkv
+    state = gamma * state + jnp.einsum("bnh,bne->bnhe", k_t, v_t)
+    return state, jnp.einsum("bnh,bnhe->bne", q_t, state)
+
+  state, out = jax.lax.scan(step, state, tuple(t.swapaxes(0, 1) for t in (q, k, v)))
+  return out.swapaxes(0, 1), state
 
 
 def sequential_selective_scan(x, delta, A, B, C, h0):
