@@ -36,8 +36,10 @@ from research import workdirs
 from research.data import vocab
 
 # Config fields a generation may change: they change how the trained weights are applied, not
-# their shapes (the rotary context extensions, the softmax backend).
-GENERATION_FIELDS = config_fields.ROTARY_SCALING_FIELDS + ("model.attention_backend",)
+# their shapes (the rotary context extensions, the softmax backend, and a sliding window with
+# sinks, which StreamingLLM, arXiv:2309.17453, applies to models trained with full attention).
+GENERATION_FIELDS = config_fields.ROTARY_SCALING_FIELDS + (
+    "model.attention_backend", "model.softmax.window", "model.softmax.sinks")
 
 
 def encode(text: str) -> list[int]:
@@ -82,8 +84,8 @@ def check_settings(prompt_tokens, max_new_tokens, temperature, top_k, cache_leng
 def check_lengths(model, model_config, total, cache_length):
   """The cache length to use for `total` = prompt + new tokens: `cache_length` (0: `total`).
   ValueError if a cache whose size grows with the context is too small for `total` tokens (a
-  recurrent state or a rolling window buffer never is), or if the position scheme has no
-  embedding for the last position."""
+  recurrent state or the rolling buffer of a sliding window never is), or if the position scheme
+  has no embedding for the last position."""
   table = positions.max_length(model_config)
   if table is not None and total > table:
     raise ValueError(
@@ -176,7 +178,7 @@ class Generator:
 
     def prefill(state, prompt_1xP, cache, seed_key, temperature, top_k, position):
       model = nnx.merge(graphdef, state)
-      logits, cache = getattr(model, "prefill", model.decode)(prompt_1xP, cache)
+      logits, cache = model.prefill(prompt_1xP, cache)
       token = sample(logits[:, -1], jax.random.fold_in(seed_key, position), temperature, top_k)
       return token[:, None], cache
 

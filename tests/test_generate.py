@@ -35,20 +35,40 @@ def _generate(generator, **settings):
                             cache_length=len(PROMPT) + NEW_TOKENS, **settings)
 
 
-def test_greedy_generation_is_the_argmax_of_the_full_forward_on_the_growing_sequence(generator):
-  result = _generate(generator)
-  # Independently: the full causal forward over a fixed-length buffer (positions after t do not
-  # change the logits at t), its argmax at the last filled position appended each time.
+def _greedy_by_full_forward(generator):
+  """The new tokens of an independent greedy loop: the full causal forward over a fixed-length
+  buffer (tokens after t do not change the logits at t), its argmax at the last filled position
+  appended each time."""
   forward = jax.jit(lambda state, tokens: nnx.merge(generator.graphdef, state)(tokens))
   buffer = np.zeros((1, len(PROMPT) + NEW_TOKENS), np.int32)
   buffer[0, :len(PROMPT)] = generate.encode(PROMPT)
   for t in range(len(PROMPT), len(PROMPT) + NEW_TOKENS):
     buffer[0, t] = int(jnp.argmax(forward(generator.state, buffer)[0, t - 1]))
-  assert result.tokens == tuple(buffer[0, len(PROMPT):])
+  return tuple(buffer[0, len(PROMPT):])
+
+
+def test_greedy_generation_is_the_argmax_of_the_full_forward_on_the_growing_sequence(generator):
+  result = _generate(generator)
+  assert result.tokens == _greedy_by_full_forward(generator)
   assert result.prompt == tuple(generate.encode(PROMPT))
   assert result.prefill_tokens_per_second > 0 and result.decode_tokens_per_second > 0
   # top_k = 1 leaves only the argmax to sample, at any temperature.
   assert _generate(generator, temperature=2.0, top_k=1, seed=3).tokens == result.tokens
+
+
+def test_a_sliding_window_set_for_generation_rolls_its_cache(trained_run):
+  # StreamingLLM on a model trained with full attention: window 6 and 2 sinks, a cache of 8
+  # slots whatever cache_length says; the prompt alone is longer than the window.
+  _, workdir = trained_run
+  config = generate.generation_config(
+      workdir, {"model.softmax.window": 6, "model.softmax.sinks": 2})
+  _, model = generate.restore(config, workdir, log=lambda line: None)
+  total = len(PROMPT) + NEW_TOKENS
+  assert generate.check_lengths(model, config.model, total, 3) == 3
+  assert model.cache_bytes(1, 3) == model.cache_bytes(1, total)
+  generator = generate.Generator(model)
+  result = generator.generate(generate.encode(PROMPT), NEW_TOKENS, cache_length=3)
+  assert result.tokens == _greedy_by_full_forward(generator)
 
 
 def test_sampling_is_reproducible_by_seed(generator):

@@ -112,10 +112,6 @@ def cache_rows(settings, dtype):
   return rows
 
 
-def _prefill(model, tokens_BxT, cache):
-  return getattr(model, "prefill", model.decode)(tokens_BxT, cache)
-
-
 def prefill_rows(settings, dtype, only=()):
   """Part prefill: one prefill call against token-by-token decode steps, per mixer."""
   length, rows = settings.prefill_length, []
@@ -128,7 +124,7 @@ def prefill_rows(settings, dtype, only=()):
     config = train.reference_config(attention_name, position, length, 2, dtype).model
     model = model_lib.build_model(config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    prefill = jax.jit(lambda s, t, c: _prefill(nnx.merge(graphdef, s), t, c), donate_argnums=2)
+    prefill = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).prefill(t, c), donate_argnums=2)
     step = jax.jit(lambda s, t, c: nnx.merge(graphdef, s).decode(t, c), donate_argnums=2)
 
     def run_prefill(model=model, prefill=prefill, state=state):
