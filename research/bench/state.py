@@ -240,7 +240,5 @@ SUITE = report.Suite(
         f"--quick: {QUICK.window_length} tokens, window {QUICK.window}, block "
         f"{QUICK.block_size}, prefill of {QUICK.prefill_length}, one repeat."),
     run=run, tables=tables, summary=summary, takes_lengths=False,
-    panels=(report.Panel("length", "time_ms", "series", "time (window, prefill parts)",
-                         "ms (median)"),
-            report.Panel("context", "cache_bytes", "series", "decode cache bytes", "MiB",
-                         scale=report.MIB)))
+    panels=(report.Panel("context", "cache_bytes", "series", "decode cache bytes", "MiB",
+                         scale=report.MIB),))  # the times are single points: in the tables
