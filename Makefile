@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench --suite=mixers --out=runs/bench
 	$(PY) -m experiments.bench --suite=decode --out=runs/bench
 	$(PY) -m experiments.bench --suite=train --out=runs/bench
+	$(PY) -m experiments.bench --suite=state --out=runs/bench
 
 clean:
 	rm -rf $(VENV) runs

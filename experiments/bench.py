@@ -4,11 +4,15 @@
       [--dtype=float32|bfloat16] [--quick]
   python -m experiments.bench --suite=decode --out=DIR
   python -m experiments.bench --suite=train --out=DIR
+  python -m experiments.bench --suite=state --out=DIR
 
 mixers: forward + backward time and compiled temp memory of each mixer kernel against length
 (about 6 minutes on a 2-core CPU); decode: per-token decode latency and cache bytes against
 context length (about 3 minutes); train: tokens/s and MFU of the training loop against a
-minimal NNX step (about 5 minutes). --quick: short lengths and fewer repeats, a smoke test.
+minimal NNX step (about 5 minutes); state: sliding-window against full blockwise attention, a
+rolling window + sinks cache against the full KV cache, one prefill against token-by-token
+decoding (research/bench/state.py; fixed lengths, no --lengths). --quick: short lengths and
+fewer repeats, a smoke test.
 The markdown file lists the performance targets as ratios computed from the same run.
 """
 
@@ -19,6 +23,7 @@ import sys
 from research.bench import decode
 from research.bench import mixers
 from research.bench import report
+from research.bench import state
 from research.bench import train
 
 # name -> research.bench.report.Suite. To add one (e.g. `train`): a module with
@@ -27,6 +32,7 @@ SUITES = {
     "mixers": mixers.SUITE,
     "decode": decode.SUITE,
     "train": train.SUITE,
+    "state": state.SUITE,
 }
 
 
@@ -41,9 +47,14 @@ def parse_args(argv):
   parser.add_argument("--quick", action="store_true", help="short lengths, fewer repeats")
   parser.add_argument("--only", default="",
                       help="comma-separated kernels (mixers) or attention/position variants "
-                           "(train, decode) to run; default: every one the registries give")
+                           "(train, decode; state: its prefill part) to run; default: every one "
+                           "the registries give")
   args = parser.parse_args(argv)
   args.lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
+  if args.lengths and not SUITES[args.suite].takes_lengths:
+    takes = "|".join(name for name, suite in SUITES.items() if suite.takes_lengths)
+    parser.error(f"--suite={args.suite} measures at its own lengths (--quick: short ones); "
+                 f"--lengths applies to --suite={takes}")
   args.only = tuple(x.strip() for x in args.only.split(",") if x.strip())
   return args
 

@@ -84,9 +84,7 @@ def validate(model_config):
 
 def validate_lengths(model_config, train_length, eval_lengths):
   """The position scheme must represent every training and evaluation length."""
-  name = model_config.position
-  table = positions_lib.REGISTRY.lookup(name).max_length(
-      positions_lib.REGISTRY.settings(name, model_config))
+  name, table = model_config.position, positions_lib.max_length(model_config)
   randomized = model_config.randomize_max_length
   if randomized and randomized < train_length:
     raise ValueError(f"model.randomize_max_length={randomized} must be >= train.seq_len="

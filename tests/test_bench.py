@@ -12,6 +12,7 @@ from experiments import bench
 from research.bench import decode
 from research.bench import mixers
 from research.bench import report
+from research.bench import state
 from research.bench import timing
 
 LENGTHS = (16, 32)
@@ -111,3 +112,43 @@ def test_train_suite_compares_the_loop_with_a_minimal_step(tmp_path):
   with open(paths["md"]) as f:
     markdown = f.read()
   assert markdown.count("loop / minimal NNX step tokens/s") == len(variants)
+
+
+def test_state_suite_measures_window_cache_and_prefill(tmp_path):
+  argv = ["--suite=state", f"--out={tmp_path}", "--quick", "--only=mha/rope,mamba/none"]
+  paths = bench.main(argv)
+  with open(paths["json"]) as f:
+    rows = json.load(f)["rows"]
+  with open(paths["md"]) as f:
+    markdown = f.read()
+  assert not [row for row in rows if row.get("skipped")], markdown
+  window = [row for row in rows if row["part"] == "window"]
+  assert [row["window"] for row in window] == [0, state.QUICK.window]
+  assert all(row["time_ms"] > 0 and row["temp_bytes"] > 0 for row in window)
+  assert f"blockwise window={state.QUICK.window} / full causal blockwise fwd+bwd time" in markdown
+  cache = {(row["variant"], row["cache"], row["context"]): row["cache_bytes"]
+           for row in rows if row["part"] == "cache"}
+  rolling = f"window={state.QUICK.cache_window}+sinks={state.QUICK.cache_sinks}"
+  short, long = state.QUICK.contexts
+  assert cache["mha", rolling, short] == cache["mha", rolling, long] < cache["mha", "full", long]
+  assert cache["mha", "full", long] == decode.analytic_kv_bytes(
+      decode.model_config("mha", "float32"), long)
+  assert "mha window + sinks cache bytes at contexts 1024, 16384" in markdown
+  assert "(target identical): met" in markdown
+  prefill = [(row["variant"], row["mode"]) for row in rows if row["part"] == "prefill"]
+  assert prefill == [(v, m) for v in ("mha/rope", "mamba/none")
+                     for m in ("prefill", "token_by_token")]
+  assert markdown.count(f"prefill of {state.QUICK.prefill_length} tokens") == 2
+
+
+def test_state_suite_refuses_lengths():
+  with pytest.raises(SystemExit):
+    bench.parse_args(["--suite=state", "--out=x", "--lengths=16"])
+
+
+def test_interleaved_seconds_takes_turns_after_one_warm_up_each():
+  order = []
+  times = timing.interleaved_seconds({"a": lambda: order.append("a"),
+                                      "b": lambda: order.append("b")}, 3)
+  assert order == ["a", "b"] * 4
+  assert {name: len(seconds) for name, seconds in times.items()} == {"a": 3, "b": 3}

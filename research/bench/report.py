@@ -38,7 +38,8 @@ class Suite:
   """A benchmark: `run(args) -> rows`, and how to report them.
 
   tables(rows) -> [(title, markdown table)]; summary(rows) -> markdown lines (the targets, as
-  ratios computed from the rows); panels: the figures' plots.
+  ratios computed from the rows); panels: the figures' plots; takes_lengths: whether --lengths
+  applies (False: the suite measures at its own fixed lengths).
   """
   name: str
   description: str
@@ -46,6 +47,7 @@ class Suite:
   tables: Callable
   summary: Callable
   panels: tuple
+  takes_lengths: bool = True
 
 
 def hardware():
@@ -148,7 +150,8 @@ def write_figure(path, suite, rows, meta):
         ax.plot(*zip(*points), marker="o", label=str(name))
     ax.set(xscale="log", yscale="log", xlabel=panel.x, ylabel=panel.ylabel, title=panel.title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.lines:
+      ax.legend(fontsize=8)
   fig.suptitle(f"{suite.name}: {meta['hardware']}, jax {meta['jax_version']}", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

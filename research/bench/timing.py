@@ -76,3 +76,16 @@ def forecast_seconds(history, length):
     growth = math.log(last_seconds / first_seconds) / math.log(last_length / first_length)
     exponent = max(1.0, growth)
   return last_seconds * (length / last_length) ** exponent
+
+
+def interleaved_seconds(calls, repeats):
+  """{name: seconds of each timed call} of zero-argument `calls` {name: fn}: one warm-up call of
+  each, then `repeats` rounds that call each once in turn, so that a shared machine's drift
+  falls on all of them alike (take the median of each list)."""
+  for fn in calls.values():
+    time_call(fn)
+  times = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, fn in calls.items():
+      times[name].append(time_call(fn)[0])
+  return times

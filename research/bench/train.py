@@ -30,12 +30,16 @@ from research.bench import report
 QUICK_VARIANTS = (("mha", "rope"), ("linear", "rope"))
 
 
+def mixer_variants():
+  """(attention, position): every mixer with RoPE, or no positions where it cannot take them."""
+  return [(name, "rope" if "rope" in model_lib.compatible_positions(cls) else "none")
+          for name, cls in attention.REGISTRY.items()]
+
+
 def variants():
-  """Every mixer with RoPE (or no positions where it cannot take them), then MHA with every
-  other position scheme: read from the registries."""
-  mixers = [(name, "rope" if "rope" in model_lib.compatible_positions(cls) else "none")
-            for name, cls in attention.REGISTRY.items()]
-  return mixers + [("mha", p) for p in positions.REGISTRY if p != "rope"]
+  """Every mixer (mixer_variants), then MHA with every other position scheme: read from the
+  registries."""
+  return mixer_variants() + [("mha", p) for p in positions.REGISTRY if p != "rope"]
 TOKENS_PER_BATCH = 4096  # batch 32 x length 128
 LENGTHS, QUICK_LENGTHS = (128, 512), (32,)
 

@@ -57,6 +57,12 @@ def validate(model_config):
   return cls
 
 
+def max_length(model_config):
+  """The most positions model.position can represent (a learned table's size); None: unbounded."""
+  name = model_config.position
+  return REGISTRY.lookup(name).max_length(REGISTRY.settings(name, model_config))
+
+
 def build(model_config, *, rngs) -> PositionScheme:
   """The scheme named by model.position, with its settings from model.<name>."""
   name = model_config.position
