@@ -104,26 +104,28 @@ class SoftmaxAttention(base.Mixer):
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=mask is None,
                                         scale=self._scale(), implementation=implementation)
 
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    q, k, v = self._project(x_BxLxD, positions_BxL)
+  def _attend(self, q, k, v, positions_BxL, segments_BxL=None):
+    """Attention of a whole sequence to itself through the configured backend."""
     if self.backend == "blockwise":
       bias_fn, bias_params = self._bias_function()
-      y = blockwise_attention(q, k, v, positions_BxL, bias_fn, bias_params,
-                              block_size=self.block_size, scale=self._scale(),
-                              window=self.window, sinks=self.sinks, segments_BxT=segments_BxL)
-    else:
-      mask = None  # plain causal: the backend's own causal path
-      if self.window or segments_BxL is not None:
-        index = jnp.arange(x_BxLxD.shape[1])
-        # In packed documents the sinks of each document are its first tokens.
-        document_index = (None if segments_BxL is None or not self.sinks
-                          else masks.positions_in_documents(segments_BxL))
-        mask = masks.visible(index, index, self.window, self.sinks, document_index)
-        mask = mask[None, None] if mask.ndim == 2 else mask[:, None]
-        if segments_BxL is not None:
-          mask = mask & masks.same_segment(segments_BxL, segments_BxL)
-      y = self._dot_product(q, k, v, positions_BxL, positions_BxL, mask, self.backend)
-    return self.out(y)
+      return blockwise_attention(q, k, v, positions_BxL, bias_fn, bias_params,
+                                 block_size=self.block_size, scale=self._scale(),
+                                 window=self.window, sinks=self.sinks, segments_BxT=segments_BxL)
+    mask = None  # plain causal: the backend's own causal path
+    if self.window or segments_BxL is not None:
+      index = jnp.arange(q.shape[1])
+      # In packed documents the sinks of each document are its first tokens.
+      document_index = (None if segments_BxL is None or not self.sinks
+                        else masks.positions_in_documents(segments_BxL))
+      mask = masks.visible(index, index, self.window, self.sinks, document_index)
+      mask = mask[None, None] if mask.ndim == 2 else mask[:, None]
+      if segments_BxL is not None:
+        mask = mask & masks.same_segment(segments_BxL, segments_BxL)
+    return self._dot_product(q, k, v, positions_BxL, positions_BxL, mask, self.backend)
+
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    q, k, v = self._project(x_BxLxD, positions_BxL)
+    return self.out(self._attend(q, k, v, positions_BxL, segments_BxL))
 
   def cache_length(self, max_length):
     """Slots of the decode cache: every token, or with a window the sinks and the window."""
@@ -143,10 +145,45 @@ class SoftmaxAttention(base.Mixer):
     positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
     q, k, v = self._project(x_BxTxD, positions_1xT)
     k, v = k.astype(self.dtype), v.astype(self.dtype)
-    if self.window:
-      return self._decode_rolling(q, k, v, cache, positions_1xT)
-    cache = {"key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k, index, 1),
-             "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v, index, 1)}
+    attend = self._decode_rolling if self.window else self._decode_full
+    if x_BxTxD.shape[1] == 1:
+      y, cache = attend(q, k, v, cache, positions_1xT)
+    else:  # a prompt into an empty cache attends only to itself: the training path
+      y, cache = jax.lax.cond(index == 0, self._prefill_empty, attend, q, k, v, cache,
+                              positions_1xT)
+    return self.out(y), cache
+
+  def _prefill_empty(self, q, k, v, cache, positions_1xT):
+    """Tokens 0..T-1 into an empty cache: the full-sequence attention of the configured backend
+    (blockwise skips masked tiles), then the cache write."""
+    write = self._write_rolling if self.window else self._write_full
+    return self._attend(q, k, v, positions_1xT), write(k, v, cache, positions_1xT[0])
+
+  @staticmethod
+  def _write_full(k, v, cache, new_index_T):
+    if k.shape[1] > cache["key"].shape[1]:
+      raise ValueError(f"{k.shape[1]} new tokens do not fit in a decode cache of "
+                       f"{cache['key'].shape[1]} tokens: init_cache with max_length >= the "
+                       "prompt and the tokens to generate")
+    index = new_index_T[0]
+    return {"key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k, index, 1),
+            "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v, index, 1)}
+
+  def _write_rolling(self, k, v, cache, new_index_T):
+    """Keep what later tokens can still see: token p in slot p (p < S) or S + (p - S) mod W, if
+    it is a sink or among the last W tokens."""
+    last = new_index_T[-1]
+    keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
+    slot = jnp.where(new_index_T < self.sinks, new_index_T,
+                     self.sinks + (new_index_T - self.sinks) % self.window)
+    slot = jnp.where(keep, slot, self.sinks + self.window)  # out of range: dropped
+    write = lambda old, new: old.at[:, slot].set(new, mode="drop")
+    return {"key": write(cache["key"], k), "value": write(cache["value"], v),
+            "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
+
+  def _decode_full(self, q, k, v, cache, positions_1xT):
+    index = positions_1xT[0, 0]
+    cache = self._write_full(k, v, cache, positions_1xT[0])
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
     capacity = cache["key"].shape[1]
     k_positions_1xS = jnp.arange(capacity)[None]
@@ -155,12 +192,11 @@ class SoftmaxAttention(base.Mixer):
                           "xla")
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
-    y = jnp.where(index + x_BxTxD.shape[1] <= capacity, y, jnp.nan)
-    return self.out(y), cache
+    y = jnp.where(index + k.shape[1] <= capacity, y, jnp.nan)
+    return y, cache
 
   def _decode_rolling(self, q, k, v, cache, positions_1xT):
-    """Window + sinks decoding: attend to the cached slots and the new tokens, then keep in the
-    cache only what later tokens can still see (the sinks and the last W tokens)."""
+    """Window + sinks decoding: attend to the cached slots and the new tokens, then write."""
     new_index_T = positions_1xT[0]
     keys = jnp.concatenate([cache["key"], k], axis=1)
     values = jnp.concatenate([cache["value"], v], axis=1)
@@ -169,15 +205,7 @@ class SoftmaxAttention(base.Mixer):
     # Empty slots (-1) are masked; their bias is taken at position 0 so that it stays finite.
     y = self._dot_product(q, keys, values, positions_1xT, jnp.maximum(key_index_S, 0)[None],
                           mask[None, None], "xla")
-    last = new_index_T[-1]
-    keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
-    slot = jnp.where(new_index_T < self.sinks, new_index_T,
-                     self.sinks + (new_index_T - self.sinks) % self.window)
-    slot = jnp.where(keep, slot, self.sinks + self.window)  # out of range: dropped
-    write = lambda old, new: old.at[:, slot].set(new, mode="drop")
-    cache = {"key": write(cache["key"], k), "value": write(cache["value"], v),
-             "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
-    return self.out(y), cache
+    return y, self._write_rolling(k, v, cache, new_index_T)
 
   def mixing_flops_per_token(self, context_length):
     # q k^T and p v, 2 FLOPs per multiply-add, each query sees (context + 1) / 2 keys on average
