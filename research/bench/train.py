@@ -69,7 +69,8 @@ def minimal_tokens_per_second(config):
   @nnx.jit
   def step(model, optimizer, batch):
     def loss_fn(model):
-      logits = model(batch["inputs"])
+      logits = model(batch["inputs"], positions_BxL=batch.get("positions"),
+                     segments_BxL=batch.get("segments"))
       nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
       return (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
