@@ -8,7 +8,9 @@
 mixers: forward + backward time and compiled temp memory of each mixer kernel against length
 (about 6 minutes on a 2-core CPU); decode: per-token decode latency and cache bytes against
 context length (about 3 minutes); train: tokens/s and MFU of the training loop against a
-minimal NNX step (about 5 minutes). --quick: short lengths and fewer repeats, a smoke test.
+minimal NNX step, and the loop with packed documents against concatenated windows
+(data.packing; --only=packing runs that comparison alone). --quick: short lengths and fewer
+repeats, a smoke test.
 The markdown file lists the performance targets as ratios computed from the same run.
 """
 
@@ -41,7 +43,8 @@ def parse_args(argv):
   parser.add_argument("--quick", action="store_true", help="short lengths, fewer repeats")
   parser.add_argument("--only", default="",
                       help="comma-separated kernels (mixers) or attention/position variants "
-                           "(train, decode) to run; default: every one the registries give")
+                           "(train, decode) to run, or `packing` (train: the data.packing "
+                           "comparison); default: every one the registries give")
   args = parser.parse_args(argv)
   args.lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
   args.only = tuple(x.strip() for x in args.only.split(",") if x.strip())
