@@ -86,17 +86,26 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
   return rows, without
 
 
-BARE_KEYS = ("model.attention", "model.position", "data.name")  # values name themselves
+# values that name themselves
+BARE_KEYS = ("model.attention", "model.position", "data.name", "data.packing")
 OFF_VALUES = ("0", "0.0", "none", "False", "()")
+OFF_VALUES_OF = {"data.packing": ("concat",)}  # a field's value that means "as before it existed"
+
+
+def _is_off(key, value):
+  if key in OFF_VALUES_OF:
+    return str(value) in OFF_VALUES_OF[key]
+  return key not in BARE_KEYS and str(value) in OFF_VALUES
 
 
 def variant_label(row: dict, swept_keys: list[str]) -> str:
   """'mha / alibi' (swept values, seed left out; the run's name if nothing is swept), with the
   checkpoint step if it is not the run's last. A swept setting that is off in this run (0,
-  none, False, empty) is left out: 'rope' beside 'rope / randomize_max_length=2048'."""
+  none, False, empty; data.packing=concat) is left out: 'rope' beside 'rope /
+  randomize_max_length=2048', 'alibi' beside 'alibi / documents'."""
   parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
            for k in swept_keys if k != "train.seed" and row.get(k) not in (None, "")
-           and (k in BARE_KEYS or str(row[k]) not in OFF_VALUES)]
+           and not _is_off(k, row[k])]
   label = " / ".join(parts) or row["run"]
   step = row.get("step")
   return label if step is None or step == row["train_steps"] else f"{label} @step {step}"
