@@ -2,7 +2,7 @@
 
 The ALiBi paper's experiment (arXiv:2108.12409, Figure 1 / Table 2) at laptop scale: train at
 length L, evaluate perplexity at L, 2L, 4L, 8L, 16L with non-overlapping and sliding windows.
-Both presets add two kinds of baselines (BASELINES):
+Both presets add two kinds of baselines (`baselines`):
 - sliding-window attention: MHA with RoPE whose tokens see only the last L tokens
   (model.softmax.window = L), without and with 4 attention sinks (model.softmax.sinks = 4: the
   first tokens stay visible; StreamingLLM, arXiv:2309.17453);
