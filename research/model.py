@@ -12,6 +12,13 @@ Positions are per token, [B, L] (B = 1 when all rows share them). In evaluation 
 are 0, 1, 2, ...; in training, `training_positions` may draw them: with
 model.randomize_max_length = M > 0, each row's positions are a sorted random subset of [0, M)
 (randomized positional encodings, Ruoss et al., arXiv:2305.16843), for any position scheme.
+
+Packed documents: segment ids [B, L] (non-decreasing per row) keep every mixer within a document
+(research.attention.masks); positions then restart at 0 at each document start unless given.
+A packed row gives each document the logits it would get alone.
+
+Decoding: `init_cache(batch, max_length)`, then `prefill(prompt, cache)` (every mixer fills its
+cache in one chunk-parallel pass) and `decode(tokens, cache)` for the tokens that follow.
 """
 
 import jax
@@ -20,6 +27,7 @@ from flax import nnx
 
 from research import attention
 from research import nn
+from research.attention import masks
 from research import positions as positions_lib
 from research import sharding
 
@@ -121,8 +129,8 @@ class Block(nnx.Module):
       return x
     return x + self.mlp(self.mlp_norm(x))
 
-  def __call__(self, x_BxLxD, positions_BxL):
-    x = x_BxLxD + self.mixer(self.mixer_norm(x_BxLxD), positions_BxL)
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    x = x_BxLxD + self.mixer(self.mixer_norm(x_BxLxD), positions_BxL, segments_BxL)
     return sharding.constrain(self._feed_forward(x), ("batch", "length", "embed"))
 
   def decode(self, x_BxTxD, cache, index):
@@ -180,18 +188,28 @@ class LanguageModel(nnx.Module):
     draw = lambda k: jnp.sort(jax.random.permutation(k, self.randomize_max_length)[:length])
     return jax.vmap(draw)(jax.random.split(key, batch_size)).astype(jnp.int32)
 
-  def __call__(self, tokens_BxL, positions_BxL=None):
-    """Logits [batch, length, vocab]; positions default to 0..length-1."""
+  def __call__(self, tokens_BxL, positions_BxL=None, segments_BxL=None):
+    """Logits [batch, length, vocab]. positions default to 0..length-1, or with segment ids
+    (packed documents) to 0.. from each document's start."""
+    masks.check_segments(segments_BxL)
     if positions_BxL is None:
-      positions_BxL = jnp.arange(tokens_BxL.shape[1])[None]
+      positions_BxL = (jnp.arange(tokens_BxL.shape[1])[None] if segments_BxL is None
+                       else masks.positions_in_documents(segments_BxL))
     x = self._embed(tokens_BxL, positions_BxL)
     for block in self.blocks:
-      x = block(x, positions_BxL)
+      x = block(x, positions_BxL, segments_BxL)
     return self._logits(x)
 
   def init_cache(self, batch_size, max_length):
     return {"index": jnp.zeros((), jnp.int32),
             "layers": [block.mixer.init_cache(batch_size, max_length) for block in self.blocks]}
+
+  def prefill(self, tokens_BxT, cache):
+    """Logits of a prompt (or the next chunk of one) and the cache filled with it, in one
+    chunk-parallel pass per layer: softmax layers write all T keys and values at once, recurrent
+    ones run their chunked form from the cached state. The same computation as `decode`, which
+    takes any number of tokens; named for what it is used for."""
+    return self.decode(tokens_BxT, cache)
 
   def decode(self, tokens_BxT, cache):
     """Logits for T new tokens that follow the cached ones, and the updated cache."""

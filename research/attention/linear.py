@@ -10,7 +10,9 @@ place in this form: linear attention honours the qk hook only.
 Training uses the chunkwise-parallel form: within a chunk of C tokens a masked [C, C] matmul,
 across chunks the running state (S, z), so nothing of size [batch, length, heads, d, d] is ever
 built; each chunk is rematerialised in the backward pass. Decoding runs the same code on the new
-tokens from the cached state. The feature map, the state and the denominator are float32: in
+tokens from the cached state (any number of them: prefill is one chunked pass). Packed
+documents: the sums restart at each segment start (the intra-chunk mask keeps to the segment;
+the carried state reaches only the tokens of the segment it was summed over). The feature map, the state and the denominator are float32: in
 bf16, elu(x) + 1 cancels to 0 already at x = -8 and the denominator collapses.
 """
 
@@ -31,35 +33,55 @@ FEATURE_MAPS = {"elu": elu_plus_one, "relu": jax.nn.relu}
 EPSILON = 1e-6
 
 
+def segment_masks(segments_BxC, carried_segment_B):
+  """The masks of one chunk of packed documents:
+  (same_CxC [B, 1, C, S]: query and key in one segment, causal;
+   sees_state [B, C, 1, 1]: the token is in the segment the carried state was summed over;
+   keeps_state [B, 1, 1, 1]: the chunk ends in that segment, so the state carries on;
+   adds_to_state [B, C, 1, 1]: the token is in the chunk's last segment, which the new state sums)."""
+  c = segments_BxC.shape[1]
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  same = (segments_BxC[:, :, None] == segments_BxC[:, None, :]) & causal
+  sees_state = segments_BxC == carried_segment_B[:, None]
+  last = segments_BxC[:, -1]
+  adds = segments_BxC == last[:, None]
+  keeps = last == carried_segment_B
+  return (same[:, None], sees_state[:, :, None, None], keeps[:, None, None, None],
+          adds[:, :, None, None])
+
+
 def _chunk(carry, chunk):
   """One chunk: outputs from the carried state plus the causal intra-chunk part.
 
-  chunk = (q, k, v) or, with a query/key transform, (q, k, v, q_rot, k_rot); [B, C, N, H] each,
-  float32.
+  chunk = (segments [B, C], q, k, v) or, with a query/key transform, (..., q_rot, k_rot);
+  [B, C, N, H] each, float32. carry = (S, z, the segment S and z were summed over [B]).
   """
-  state_BxNxHxH, normalizer_BxNxH = carry
-  q, k, v = chunk[:3]
-  q_rot, k_rot = chunk[3:] or (q, k)
-  causal_CxC = jnp.tril(jnp.ones((q.shape[1], q.shape[1]), bool))
-  scores = jnp.where(causal_CxC, jnp.einsum("bcnh,bsnh->bncs", q_rot, k_rot), 0.0)
+  state_BxNxHxH, normalizer_BxNxH, carried_segment_B = carry
+  segments_BxC, q, k, v = chunk[:4]
+  q_rot, k_rot = chunk[4:] or (q, k)
+  same, sees_state, keeps_state, adds = segment_masks(segments_BxC, carried_segment_B)
+  scores = jnp.where(same, jnp.einsum("bcnh,bsnh->bncs", q_rot, k_rot), 0.0)
   numerator = (jnp.einsum("bncs,bsnh->bcnh", scores, v)
-               + jnp.einsum("bcnh,bnhe->bcne", q_rot, state_BxNxHxH))
+               + jnp.einsum("bcnh,bnhe->bcne", q_rot * sees_state, state_BxNxHxH))
   if q_rot is not q:  # rotated numerator, unrotated denominator
-    scores = jnp.where(causal_CxC, jnp.einsum("bcnh,bsnh->bncs", q, k), 0.0)
-  denominator = scores.sum(-1).transpose(0, 2, 1) + jnp.einsum("bcnh,bnh->bcn", q, normalizer_BxNxH)
+    scores = jnp.where(same, jnp.einsum("bcnh,bsnh->bncs", q, k), 0.0)
+  denominator = (scores.sum(-1).transpose(0, 2, 1)
+                 + jnp.einsum("bcnh,bnh->bcn", q * sees_state, normalizer_BxNxH))
   out = numerator / (denominator[..., None] + EPSILON)
-  state_BxNxHxH = state_BxNxHxH + jnp.einsum("bsnh,bsne->bnhe", k_rot, v)
-  normalizer_BxNxH = normalizer_BxNxH + k.sum(1)
-  return (state_BxNxHxH, normalizer_BxNxH), out
+  state_BxNxHxH = (state_BxNxHxH * keeps_state
+                   + jnp.einsum("bsnh,bsne->bnhe", k_rot * adds, v))
+  normalizer_BxNxH = normalizer_BxNxH * keeps_state[..., 0] + (k * adds).sum(1)
+  return (state_BxNxHxH, normalizer_BxNxH, segments_BxC[:, -1]), out
 
 
 def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64,
-                             transform_q=None, transform_k=None):
+                             transform_q=None, transform_k=None, segments=None):
   """Causal linear attention of q, k, v [B, L, N, H] from `state` = (S [B,N,H,H], z [B,N,H]).
 
   `transform_q(phi_q)` / `transform_k(phi_k)` apply the position scheme to the features of the
-  numerator (RoPE rotations, xPos scaling); an identity transform costs nothing.
-  Returns (outputs [B, L, N, H] float32, final state).
+  numerator (RoPE rotations, xPos scaling); an identity transform costs nothing. `segments`
+  [B, L] (packed documents, non-decreasing) restart the sums at each segment start; `state`
+  belongs to the first token's segment. Returns (outputs [B, L, N, H] float32, final state).
   """
   b, length, n, h = q.shape
   phi = FEATURE_MAPS[feature_map]
@@ -72,13 +94,18 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
     return x.reshape(b, padded // chunk, chunk, n, h).swapaxes(0, 1)
 
   valid = (jnp.arange(padded) < length).reshape(padded // chunk, 1, chunk, 1, 1)
-  chunks = (to_chunks(q), to_chunks(k) * valid, to_chunks(v))
+  if segments is None:
+    segments = jnp.zeros((b, length), jnp.int32)
+  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
+  chunks = (segments.reshape(b, padded // chunk, chunk).swapaxes(0, 1),
+            to_chunks(q), to_chunks(k) * valid, to_chunks(v))
   q_rot = q if transform_q is None else transform_q(q)
   k_rot = k if transform_k is None else transform_k(k)
   if q_rot is not q or k_rot is not k:
     chunks += (to_chunks(q_rot), to_chunks(k_rot) * valid)
-  state, out = jax.lax.scan(jax.checkpoint(_chunk), state, chunks)
-  return out.swapaxes(0, 1).reshape(b, padded, n, h)[:, :length], state
+  carry = (*state, segments[:, 0])
+  carry, out = jax.lax.scan(jax.checkpoint(_chunk), carry, chunks)
+  return out.swapaxes(0, 1).reshape(b, padded, n, h)[:, :length], carry[:2]
 
 
 class LinearAttention(base.Mixer):
@@ -105,16 +132,17 @@ class LinearAttention(base.Mixer):
         base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype) for _ in range(3))
     self.out = base.output_projection(n, h, d, rngs=rngs, dtype=self.dtype)
 
-  def _mix(self, x_BxTxD, state, positions_BxT):
+  def _mix(self, x_BxTxD, state, positions_BxT, segments_BxT=None):
     y, state = chunked_linear_attention(
         self.query(x_BxTxD), self.key(x_BxTxD), self.value(x_BxTxD), state,
         feature_map=self.feature_map, chunk_size=self.chunk_size,
         transform_q=lambda x: self.position.queries(x, positions_BxT),
-        transform_k=lambda x: self.position.keys(x, positions_BxT))
+        transform_k=lambda x: self.position.keys(x, positions_BxT), segments=segments_BxT)
     return self.out(y.astype(self.dtype)), state
 
-  def __call__(self, x_BxLxD, positions_BxL):
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), positions_BxL)[0]
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), positions_BxL,
+                     segments_BxL)[0]
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size

@@ -13,7 +13,16 @@ One score path (model.attention_backend):
              function evaluated per tile, forward and backward (gradients to its parameters too)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU only
 Decoding takes the xla path: the new queries against the cache, the bias of the new positions
-against the cached ones.
+against the cached ones, for any number of new tokens in one pass (prefill).
+
+Masks (research.attention.masks): causal; model.softmax.window = W > 0 keeps the last W keys
+(Longformer's local attention, arXiv:2004.05150) and model.softmax.sinks = S the first S tokens
+as well (StreamingLLM, arXiv:2309.17453); segment ids of packed documents keep attention within a
+document. xla masks; blockwise skips the tiles that are fully masked, so with a window its time
+grows as O(L W) (with sinks in packed documents, whose sinks can be in any tile, it visits every
+causal tile). With a window the decode cache is a rolling buffer of S + W slots: token p is
+kept in slot p (p < S) or S + (p - S) mod W, with its position, so its bytes do not grow with the
+context.
 """
 
 import jax
@@ -22,6 +31,7 @@ from flax import nnx
 
 from research import nn
 from research.attention import base
+from research.attention import masks
 from research.attention.blockwise import blockwise_attention
 from research.positions import BIAS, QK
 
@@ -30,7 +40,9 @@ BACKENDS = ("xla", "blockwise", "cudnn")
 
 class SoftmaxAttention(base.Mixer):
   """Base of mha / mqa / gqa; subclasses say how many key/value heads."""
-  hyperparameters = {"block_size": 128}  # blockwise backend: query and key block length
+  hyperparameters = {"block_size": 128,  # blockwise backend: query and key block length
+                     "window": 0,  # sliding window: the last W keys, the own included (0: all)
+                     "sinks": 0}  # with a window, the first S tokens stay visible
   position_hooks = frozenset({QK, BIAS})
   backends = BACKENDS
 
@@ -55,6 +67,7 @@ class SoftmaxAttention(base.Mixer):
                        f"{model_config.compute_dtype!r}")
     if settings.block_size < 1:
       raise ValueError(f"model.softmax.block_size must be >= 1, got {settings.block_size}")
+    masks.check_window(settings.window, settings.sinks)
 
   def __init__(self, settings, model_config, position, *, rngs):
     d, n = model_config.d_model, model_config.num_heads
@@ -63,6 +76,7 @@ class SoftmaxAttention(base.Mixer):
     self.num_heads, self.num_kv_heads, self.head_dim = n, k, h
     self.backend = model_config.attention_backend
     self.block_size = int(settings.block_size)
+    self.window, self.sinks = int(settings.window), int(settings.sinks)
     self.dtype = nn.compute_dtype(model_config)
     self.query = base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype)
     self.key = base.head_projection(d, k, h, "kv_heads", rngs=rngs, dtype=self.dtype)
@@ -90,29 +104,53 @@ class SoftmaxAttention(base.Mixer):
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=mask is None,
                                         scale=self._scale(), implementation=implementation)
 
-  def __call__(self, x_BxLxD, positions_BxL):
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     q, k, v = self._project(x_BxLxD, positions_BxL)
     if self.backend == "blockwise":
       bias_fn, bias_params = self._bias_function()
       y = blockwise_attention(q, k, v, positions_BxL, bias_fn, bias_params,
-                              block_size=self.block_size, scale=self._scale())
+                              block_size=self.block_size, scale=self._scale(),
+                              window=self.window, sinks=self.sinks, segments_BxT=segments_BxL)
     else:
-      y = self._dot_product(q, k, v, positions_BxL, positions_BxL, None, self.backend)
+      mask = None  # plain causal: the backend's own causal path
+      if self.window or segments_BxL is not None:
+        index = jnp.arange(x_BxLxD.shape[1])
+        # In packed documents the sinks of each document are its first tokens.
+        document_index = (None if segments_BxL is None or not self.sinks
+                          else masks.positions_in_documents(segments_BxL))
+        mask = masks.visible(index, index, self.window, self.sinks, document_index)
+        mask = mask[None, None] if mask.ndim == 2 else mask[:, None]
+        if segments_BxL is not None:
+          mask = mask & masks.same_segment(segments_BxL, segments_BxL)
+      y = self._dot_product(q, k, v, positions_BxL, positions_BxL, mask, self.backend)
     return self.out(y)
 
+  def cache_length(self, max_length):
+    """Slots of the decode cache: every token, or with a window the sinks and the window."""
+    return self.sinks + self.window if self.window else max_length
+
   def init_cache(self, batch_size, max_length):
-    shape = (batch_size, max_length, self.num_kv_heads, self.head_dim)
-    return {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
+    slots = self.cache_length(max_length)
+    shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
+    cache = {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
+    if self.window:  # the token index held by each slot; -1: empty
+      cache["index"] = jnp.full((slots,), -1, jnp.int32)
+    return cache
 
   def decode(self, x_BxTxD, cache, index):
+    """T new tokens at indices index..index + T - 1 against the cache and each other, in one
+    pass; returns their outputs and the cache with their keys and values written."""
     positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
     q, k, v = self._project(x_BxTxD, positions_1xT)
-    cache = {"key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(self.dtype), index, 1),
-             "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(self.dtype), index, 1)}
+    k, v = k.astype(self.dtype), v.astype(self.dtype)
+    if self.window:
+      return self._decode_rolling(q, k, v, cache, positions_1xT)
+    cache = {"key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k, index, 1),
+             "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v, index, 1)}
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
     capacity = cache["key"].shape[1]
     k_positions_1xS = jnp.arange(capacity)[None]
-    mask = (k_positions_1xS[0][None, :] <= positions_1xT[0][:, None])[None, None]
+    mask = masks.visible(positions_1xT[0], k_positions_1xS[0])[None, None]
     y = self._dot_product(q, cache["key"], cache["value"], positions_1xT, k_positions_1xS, mask,
                           "xla")
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
@@ -120,9 +158,35 @@ class SoftmaxAttention(base.Mixer):
     y = jnp.where(index + x_BxTxD.shape[1] <= capacity, y, jnp.nan)
     return self.out(y), cache
 
+  def _decode_rolling(self, q, k, v, cache, positions_1xT):
+    """Window + sinks decoding: attend to the cached slots and the new tokens, then keep in the
+    cache only what later tokens can still see (the sinks and the last W tokens)."""
+    new_index_T = positions_1xT[0]
+    keys = jnp.concatenate([cache["key"], k], axis=1)
+    values = jnp.concatenate([cache["value"], v], axis=1)
+    key_index_S = jnp.concatenate([cache["index"], new_index_T])
+    mask = masks.visible(new_index_T, key_index_S, self.window, self.sinks) & (key_index_S >= 0)
+    # Empty slots (-1) are masked; their bias is taken at position 0 so that it stays finite.
+    y = self._dot_product(q, keys, values, positions_1xT, jnp.maximum(key_index_S, 0)[None],
+                          mask[None, None], "xla")
+    last = new_index_T[-1]
+    keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
+    slot = jnp.where(new_index_T < self.sinks, new_index_T,
+                     self.sinks + (new_index_T - self.sinks) % self.window)
+    slot = jnp.where(keep, slot, self.sinks + self.window)  # out of range: dropped
+    write = lambda old, new: old.at[:, slot].set(new, mode="drop")
+    cache = {"key": write(cache["key"], k), "value": write(cache["value"], v),
+             "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
+    return self.out(y), cache
+
   def mixing_flops_per_token(self, context_length):
-    # q k^T and p v, 2 FLOPs per multiply-add, each query sees (context + 1) / 2 keys on average.
-    return 2 * 2 * self.num_heads * self.head_dim * (context_length + 1) / 2
+    # q k^T and p v, 2 FLOPs per multiply-add, each query sees (context + 1) / 2 keys on average
+    # (at most the window and the sinks).
+    keys = (context_length + 1) / 2
+    if self.window:
+      w = min(self.window, context_length)
+      keys = (w * (w + 1) / 2 + (context_length - w) * min(w + self.sinks, context_length)) / context_length
+    return 2 * 2 * self.num_heads * self.head_dim * keys
 
 
 class MHA(SoftmaxAttention):

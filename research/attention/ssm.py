@@ -10,7 +10,10 @@ The scan runs in chunks: inside a chunk an associative scan (accelerators) or a 
 scan (CPU; model.mamba.scan), across chunks the carried state;
 each chunk is rematerialised in the backward pass, so memory grows with length as
 [batch, length, d_inner] plus one [batch, d_inner, N] state per chunk, never
-[batch, length, d_inner, N]. The decode state is the conv window and the SSM state.
+[batch, length, d_inner, N]. The decode state is the conv window and the SSM state; decoding
+runs the same chunked scan on any number of new tokens (prefill is one pass). Packed documents:
+at a segment start the decay is 0 (h restarts from the drive alone) and the convolution sees no
+input of an earlier segment.
 """
 
 import math
@@ -21,6 +24,7 @@ from flax import nnx
 
 from research import nn
 from research.attention import base
+from research.attention import masks
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
 
@@ -34,8 +38,8 @@ def _combine(left, right):
 
 def _associative_chunk(h_BxExN, chunk, A_ExN):
   """One chunk as a parallel (associative) scan: log-depth, suits GPUs and TPUs."""
-  x, delta, B, C = chunk  # [b, c, E], [b, c, E], [b, c, N], [b, c, N]
-  decay = jnp.exp(delta[..., None] * A_ExN)
+  x, delta, B, C, keep = chunk  # [b, c, E], [b, c, E], [b, c, N], [b, c, N], [b, c]
+  decay = jnp.exp(delta[..., None] * A_ExN) * keep[:, :, None, None]
   drive = (delta * x)[..., None] * B[:, :, None, :]
   decay_cum, drive_cum = jax.lax.associative_scan(_combine, (decay, drive), axis=1)
   h = decay_cum * h_BxExN[:, None] + drive_cum
@@ -46,8 +50,9 @@ def _sequential_chunk(h_BxExN, chunk, A_ExN):
   """One chunk token by token: the [b, E, N] state stays in cache, which is fastest on CPUs."""
 
   def step(h, inputs):
-    x_t, delta_t, B_t, C_t = inputs
-    h = jnp.exp(delta_t[..., None] * A_ExN) * h + (delta_t * x_t)[..., None] * B_t[:, None, :]
+    x_t, delta_t, B_t, C_t, keep_t = inputs
+    decay = jnp.exp(delta_t[..., None] * A_ExN) * keep_t[:, None, None]
+    h = decay * h + (delta_t * x_t)[..., None] * B_t[:, None, :]
     return h, jnp.einsum("ben,bn->be", h, C_t)
 
   h, y = jax.lax.scan(step, h_BxExN, tuple(t.swapaxes(0, 1) for t in chunk))
@@ -64,10 +69,12 @@ def scan_for_backend(name):
   return name
 
 
-def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associative"):
+def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associative",
+                           resets=None):
   """y_t = C_t h_t with h_t = exp(delta_t A) h_{t-1} + delta_t B_t x_t, from h0, in chunks.
 
-  x, delta: [b, L, E]; A: [E, N]; B, C: [b, L, N]; h0: [b, E, N]. Returns (y [b, L, E], h_L).
+  x, delta: [b, L, E]; A: [E, N]; B, C: [b, L, N]; h0: [b, E, N]. resets [b, L] bool (packed
+  documents): where True, h_{t-1} is dropped (decay 0). Returns (y [b, L, E], h_L).
   Within a chunk the scan is `scan` (see SCANS); the D x skip term is the caller's.
   """
   b, length, _ = x.shape
@@ -78,9 +85,13 @@ def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associ
     t = jnp.pad(t, [(0, 0), (0, padded - length), (0, 0)])
     return t.reshape(b, padded // chunk, chunk, t.shape[-1]).swapaxes(0, 1)
 
+  # keep = 0 drops h_{t-1} at a reset; padding keeps the state (keep 1).
+  resets = jnp.zeros((b, length), bool) if resets is None else resets
+  keep = jnp.pad((~resets).astype(x.dtype), [(0, 0), (0, padded - length)], constant_values=1)
+  keep = keep.reshape(b, padded // chunk, chunk).swapaxes(0, 1)
   chunk_scan = SCANS[scan]
   body = jax.checkpoint(lambda h, c: chunk_scan(h, c, A))
-  h, y = jax.lax.scan(body, h0, tuple(map(to_chunks, (x, delta, B, C))))
+  h, y = jax.lax.scan(body, h0, (*map(to_chunks, (x, delta, B, C)), keep))
   return y.swapaxes(0, 1).reshape(b, padded, -1)[:, :length], h
 
 
@@ -138,30 +149,39 @@ class Mamba(base.Mixer):
     self.D = nn.param(jnp.ones((e,)), ("mlp",), weight_decay=False)
     self.out_proj = nn.dense("BLE,ED->BLD", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
 
-  def _conv(self, x_BxTxE, window_BxWxE):
-    """Causal depthwise conv of x after the cached window of the previous width - 1 inputs."""
+  def _conv(self, x_BxTxE, window_BxWxE, segments_BxT=None):
+    """Causal depthwise conv of x after the cached window of the previous width - 1 inputs
+    (which belong to the first token's segment); inputs of other segments count as 0."""
     full = jnp.concatenate([window_BxWxE.astype(x_BxTxE.dtype), x_BxTxE], axis=1)
     kernel = self.conv_kernel[...].astype(x_BxTxE.dtype)
-    t = x_BxTxE.shape[1]
-    y = sum(full[:, i:i + t] * kernel[i] for i in range(self.conv_width))
+    t, w = x_BxTxE.shape[1], self.conv_width
+    if segments_BxT is None:
+      taps = [full[:, i:i + t] for i in range(w)]
+    else:
+      segments = jnp.pad(segments_BxT, [(0, 0), (w - 1, 0)], mode="edge")
+      taps = [full[:, i:i + t] * (segments[:, i:i + t] == segments_BxT)[..., None]
+              for i in range(w)]
+    y = sum(tap * kernel[i] for i, tap in enumerate(taps))
     return y + self.conv_bias[...].astype(y.dtype), full[:, t:]
 
-  def _mix(self, u_BxTxD, cache):
+  def _mix(self, u_BxTxD, cache, segments_BxT=None):
     x, z = jnp.split(self.in_proj(u_BxTxD), 2, axis=-1)
-    x, window = self._conv(x, cache["conv"])
+    x, window = self._conv(x, cache["conv"], segments_BxT)
     x = jax.nn.silu(x)
     dt, B, C = jnp.split(self.x_proj(x), [self.dt_rank, self.dt_rank + self.state_size], axis=-1)
     delta = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))
     A = -jnp.exp(self.A_log[...])
     x32 = x.astype(jnp.float32)
     y, h = chunked_selective_scan(x32, delta, A, B.astype(jnp.float32), C.astype(jnp.float32),
-                                  cache["ssm"], chunk_size=self.chunk_size, scan=self.scan)
+                                  cache["ssm"], chunk_size=self.chunk_size, scan=self.scan,
+                                  resets=(None if segments_BxT is None
+                                          else masks.document_starts(segments_BxT)))
     y = (y + self.D[...] * x32).astype(self.dtype) * jax.nn.silu(z)
     return self.out_proj(y), {"conv": window, "ssm": h}
 
-  def __call__(self, x_BxLxD, positions_BxL):
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0))[0]
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
