@@ -51,6 +51,10 @@ def get_config():
   d.needle_value_digits = 5  # needle tasks: digits of the pass key / magic numbers
   d.num_distractors = 3  # needle_multikey: needles of other keys
   d.num_values = 4  # needle_multivalue: values of the asked key
+  # Language modeling: "concat" cuts training and evaluation windows from the token stream across
+  # document boundaries; "documents" adds per-token segment ids and positions so that a token
+  # sees only its own document, and leaves END_OF_DOCUMENT unscored (research/data/packing.py).
+  d.packing = "concat"
 
   config.train = ml_collections.ConfigDict()
   t = config.train

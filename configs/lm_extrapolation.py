@@ -2,15 +2,23 @@
 
 The ALiBi paper's experiment (arXiv:2108.12409, Figure 1 / Table 2) at laptop scale: train at
 length L, evaluate perplexity at L, 2L, 4L, 8L, 16L with non-overlapping and sliding windows.
+Both presets add two kinds of baselines (`baselines`):
+- sliding-window attention: MHA with RoPE whose tokens see only the last L tokens
+  (model.softmax.window = L), without and with 4 attention sinks (model.softmax.sinks = 4: the
+  first tokens stay visible; StreamingLLM, arXiv:2309.17453);
+- packed documents (data.packing = "documents"): MHA with ALiBi and with RoPE trained and
+  evaluated with each token attending only within its document (research/data/packing.py).
 
   python -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo
-      6 runs (MHA x none/sinusoidal/rope/alibi, linear, mamba), about 8 minutes on 2 CPU cores.
+      10 runs (MHA x none/sinusoidal/rope/alibi, linear, mamba, and the four baselines); not
+      yet timed with the baselines (the first six took about 11 minutes on 2 CPU cores).
       Expected at 8L (non-overlapping): ALiBi within ~10% of its 1x perplexity, sinusoidal 2x or
       more, RoPE in between; RoPE also gets PI / static NTK / dynamic NTK / YaRN rows without
       retraining.
   python -m experiments.run --config=configs/lm_extrapolation.py:full --workdir=runs/full
-      every attention type x compatible position x 3 seeds, for one GPU.
-Override anything, e.g. --config.train.num_steps=2000.
+      every attention type x compatible position, and the baselines, x 3 seeds, for one GPU.
+Override anything, e.g. --config.train.num_steps=2000. Runs are labelled by what they change:
+"mha / rope / window=128 / sinks=4", "mha / alibi / documents".
 """
 
 from configs import base
@@ -45,11 +53,27 @@ def get_config(preset="quick"):
   return config
 
 
+STREAMING_SINKS = 4  # initial tokens kept visible, as StreamingLLM uses (arXiv:2309.17453)
+
+
+def baselines(seq_len):
+  """Sliding-window MHA + RoPE (window = the training length) without and with attention sinks,
+  and packed documents with ALiBi and with RoPE."""
+  window = {"model.attention": "mha", "model.position": "rope", "model.softmax.window": seq_len}
+  return ([{**window, "model.softmax.sinks": sinks} for sinks in (0, STREAMING_SINKS)]
+          + [{"model.attention": "mha", "model.position": p, "data.packing": "documents"}
+             for p in ("alibi", "rope")])
+
+
 def get_sweep(preset="quick"):
+  seq_len = get_config(preset).train.seq_len
   if preset == "quick":
     return ([{"model.attention": "mha", "model.position": p}
              for p in ("none", "sinusoidal", "rope", "alibi")]
             + [{"model.attention": "linear", "model.position": "rope"},
-               {"model.attention": "mamba", "model.position": "none"}])
-  return [{"model.attention": a, "model.position": p, "train.seed": seed}
-          for a, p in sweeps.every_variant() for seed in (0, 1, 2)]
+               {"model.attention": "mamba", "model.position": "none"}]
+            + baselines(seq_len))
+  return [{**run, "train.seed": seed}
+          for run in ([{"model.attention": a, "model.position": p}
+                       for a, p in sweeps.every_variant()] + baselines(seq_len))
+          for seed in (0, 1, 2)]

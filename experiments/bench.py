@@ -9,10 +9,11 @@
 mixers: forward + backward time and compiled temp memory of each mixer kernel against length
 (about 6 minutes on a 2-core CPU); decode: per-token decode latency and cache bytes against
 context length (about 3 minutes); train: tokens/s and MFU of the training loop against a
-minimal NNX step (about 5 minutes); state: sliding-window against full blockwise attention, a
-rolling window + sinks cache against the full KV cache, one prefill against token-by-token
-decoding (research/bench/state.py; fixed lengths, no --lengths). --quick: short lengths and
-fewer repeats, a smoke test.
+minimal NNX step, and the loop with packed documents against concatenated windows
+(data.packing; --only=packing runs that comparison alone) (about 5 minutes); state:
+sliding-window against full blockwise attention, a rolling window + sinks cache against the full
+KV cache, one prefill against token-by-token decoding (research/bench/state.py; fixed lengths,
+no --lengths). --quick: short lengths and fewer repeats, a smoke test.
 The markdown file lists the performance targets as ratios computed from the same run.
 """
 
@@ -47,8 +48,9 @@ def parse_args(argv):
   parser.add_argument("--quick", action="store_true", help="short lengths, fewer repeats")
   parser.add_argument("--only", default="",
                       help="comma-separated kernels (mixers) or attention/position variants "
-                           "(train, decode; state: its prefill part) to run; default: every one "
-                           "the registries give")
+                           "(train, decode; state: its prefill part) to run, or `packing` "
+                           "(train: the data.packing comparison); default: every one the "
+                           "registries give")
   args = parser.parse_args(argv)
   args.lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
   if args.lengths and not SUITES[args.suite].takes_lengths:

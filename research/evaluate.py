@@ -3,8 +3,10 @@
 For language modeling, windows come from research.data.eval_batches in the ALiBi paper's two
 modes (arXiv:2108.12409): non-overlapping windows, and sliding windows that score only their last
 `stride` tokens. Each token of the same evaluated text is scored once in either mode, so the loss
-is a mean over the same tokens at every length. For tasks, accuracy is exact match over the scored
-(answer) positions, per token and per sequence.
+is a mean over the same tokens at every length. With packed documents (data.packing="documents")
+the batches carry segments and positions, which the model is given (`apply`): a token sees only
+its own document, and END_OF_DOCUMENT inputs are not scored. For tasks, accuracy is exact match
+over the scored (answer) positions, per token and per sequence.
 
 The jitted step returns sums per row (window or example), so every metric also gets a 95%
 percentile bootstrap interval over rows (research.bootstrap): loss = sum nll / sum tokens,
@@ -32,11 +34,18 @@ STATISTICS = {
 }
 
 
+def apply(model, batch: dict):
+  """The model's logits for a batch: its `inputs`, with the per-token `positions` and `segments`
+  (packed documents: each token attends only within its segment) where the batch has them."""
+  return model(batch["inputs"], positions_BxL=batch.get("positions"),
+               segments_BxL=batch.get("segments"))
+
+
 def make_eval_step(graphdef):
   """jit-compiled sums of per-token statistics: per row of the batch, and per position."""
 
   def eval_step(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["inputs"])
+    logits = apply(nnx.merge(graphdef, params), batch)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"]
     correct = ((jnp.argmax(logits, -1) == batch["targets"]) * mask).sum(1)
@@ -52,13 +61,15 @@ def make_eval_step(graphdef):
 
 
 def _pad_rows(batch, rows):
-  """Pad a short final batch with unscored rows, so every batch has the same shape."""
+  """Pad a short final batch with unscored rows, so every batch has the same shape (every key:
+  zeros, which are valid segment ids and positions too)."""
   missing = rows - len(batch["inputs"])
   return {k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
 
 
 def global_batch(batch, mesh):
-  """A global batch (the same numpy arrays on every process) as arrays sharded over the mesh."""
+  """A global batch (the same numpy arrays on every process) as arrays sharded over the mesh,
+  every key (inputs, targets, loss_mask, and segments and positions if present) by its rows."""
   per_process = len(batch["inputs"]) // jax.process_count()
   rows = slice(jax.process_index() * per_process, (jax.process_index() + 1) * per_process)
   return {k: jax.make_array_from_process_local_data(sharding.batch_sharding(mesh, v.ndim), v[rows],

@@ -16,10 +16,12 @@ step is labelled with the step.
 
 import collections
 import csv
+import functools
 import math
 import os
 from typing import NamedTuple
 
+from configs import base as configs_base
 from research import config_fields
 from research import data
 from research import eval_results
@@ -86,17 +88,43 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
   return rows, without
 
 
-BARE_KEYS = ("model.attention", "model.position", "data.name")  # values name themselves
+# values that name themselves
+BARE_KEYS = ("model.attention", "model.position", "data.name", "data.packing")
 OFF_VALUES = ("0", "0.0", "none", "False", "()")
+OFF_VALUES_OF = {"data.packing": ("concat",)}  # a field's value that means "as before it existed"
+
+
+def _is_off(key, value):
+  if key in OFF_VALUES_OF:
+    return str(value) in OFF_VALUES_OF[key]
+  return key not in BARE_KEYS and str(value) in OFF_VALUES
+
+
+LEADING_KEYS = ("data.name", "model.attention", "model.position")  # labels start with these
+
+
+@functools.lru_cache(maxsize=1)
+def _config_order() -> dict:
+  return {name: i for i, name in enumerate(config_fields.flatten(configs_base.get_config()))}
+
+
+def _label_order(key):
+  """The dataset, attention and position first, then the other fields in configs/base.py's
+  order (model.softmax.window before model.softmax.sinks)."""
+  if key in LEADING_KEYS:
+    return (LEADING_KEYS.index(key), 0)
+  return (len(LEADING_KEYS), _config_order().get(key, len(_config_order())))
 
 
 def variant_label(row: dict, swept_keys: list[str]) -> str:
   """'mha / alibi' (swept values, seed left out; the run's name if nothing is swept), with the
   checkpoint step if it is not the run's last. A swept setting that is off in this run (0,
-  none, False, empty) is left out: 'rope' beside 'rope / randomize_max_length=2048'."""
+  none, False, empty; data.packing=concat) is left out: 'rope' beside 'rope /
+  randomize_max_length=2048', 'mha / alibi' beside 'mha / alibi / documents' and
+  'mha / rope / window=128 / sinks=4'."""
   parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
-           for k in swept_keys if k != "train.seed" and row.get(k) not in (None, "")
-           and (k in BARE_KEYS or str(row[k]) not in OFF_VALUES)]
+           for k in sorted(swept_keys, key=_label_order)
+           if k != "train.seed" and row.get(k) not in (None, "") and not _is_off(k, row[k])]
   label = " / ".join(parts) or row["run"]
   step = row.get("step")
   return label if step is None or step == row["train_steps"] else f"{label} @step {step}"

@@ -121,17 +121,21 @@ def _train(config, workdir, mesh, is_writer):
 
   # ---- 3. The step: gradient accumulation over micro-batches, then one optimizer update.
   def loss_sum(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["inputs"], batch.get("positions"))
+    logits = evaluate.apply(nnx.merge(graphdef, params), batch)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return (nll * batch["loss_mask"]).sum()
 
   def train_step(state, batch):
-    # Randomized positions (model.randomize_max_length) are drawn for the whole batch, a pure
-    # function of (seed, step), before it is split into micro-batches; else 0..L-1 (the default).
-    key = jax.random.fold_in(jax.random.key(t.seed), state["step"])
-    positions = nnx.merge(graphdef, state["params"]).training_positions(key, *batch["inputs"].shape)
-    if positions.shape[0] > 1:
-      batch = dict(batch, positions=positions)
+    # Packed documents (data.packing="documents") bring their segments and positions in the
+    # batch. Otherwise randomized positions (model.randomize_max_length) are drawn for the whole
+    # batch, a pure function of (seed, step), before it is split into micro-batches; else 0..L-1
+    # (the default). Every key of the batch is split into micro-batches alike.
+    if "positions" not in batch:
+      key = jax.random.fold_in(jax.random.key(t.seed), state["step"])
+      positions = nnx.merge(graphdef, state["params"]).training_positions(
+          key, *batch["inputs"].shape)
+      if positions.shape[0] > 1:
+        batch = dict(batch, positions=positions)
     # Strided micro-batches (rows i, i + k, ...) keep every device's rows on that device.
     micro = jax.tree.map(
         lambda x: x.reshape(-1, t.grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)

@@ -106,12 +106,15 @@ def test_train_suite_compares_the_loop_with_a_minimal_step(tmp_path):
   variants = {row["variant"] for row in rows}
   assert variants == {"mha/rope", "linear/rope"}
   assert {(row["variant"], row["implementation"]) for row in rows} == {
-      (v, impl) for v in variants for impl in ("loop", "minimal")}
+      (v, impl) for v in variants for impl in ("loop", "minimal")} | {
+      ("mha/rope", f"loop, packing={p}") for p in ("concat", "documents")}
   for row in rows:
     assert row["tokens_per_second"] > 0 and 0 < row["mfu"] < 1, row
+    assert len(row.get("runs", [0, 0])) == 2  # --quick: two alternating runs of each packing
   with open(paths["md"]) as f:
     markdown = f.read()
   assert markdown.count("loop / minimal NNX step tokens/s") == len(variants)
+  assert "packed-document training loop: documents / concat tokens/s" in markdown
 
 
 def test_state_suite_measures_window_cache_and_prefill(tmp_path):

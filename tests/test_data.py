@@ -18,6 +18,7 @@ from research.data import algorithmic
 from research.data import catalog
 from research.data import corpus
 from research.data import needles
+from research.data import packing
 from research.data import pipeline
 from research.data import storage
 from research.data import tasks
@@ -466,6 +467,72 @@ def test_lm_windows():
   assert pipeline.lm_windows(3, 4, "sliding", 2) == [(0, 0, 3)]
 
 
+def loop_documents(inputs, num_real):
+  """segments and positions of one row, token by token: a new document after each EOD input and
+  at the first padding input."""
+  segments, positions, segment, position = [], [], 0, 0
+  for t in range(len(inputs)):
+    if t > 0 and (inputs[t - 1] == vocab.EOD or t == num_real):
+      segment, position = segment + 1, 0
+    segments.append(segment)
+    positions.append(position)
+    position += 1
+  return segments, positions
+
+
+def test_packed_documents_of_a_hand_made_row():
+  e, p = vocab.EOD, vocab.PAD
+  batch = {"inputs": np.array([[5, e, 7, 8, e, e, 9, p, p], [e, 1, 2, 3, 4, 5, 6, 7, 8]]),
+           "targets": np.zeros((2, 9), np.int32), "loss_mask": np.ones((2, 9), np.float32)}
+  batch["loss_mask"][0, 7:] = 0
+  packed = packing.annotate(batch, np.array([7, 9]))
+  np.testing.assert_array_equal(packed["segments"], [[0, 0, 1, 1, 1, 2, 3, 4, 4],
+                                                     [0, 1, 1, 1, 1, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(packed["positions"], [[0, 1, 0, 1, 2, 0, 0, 0, 1],
+                                                      [0, 0, 1, 2, 3, 4, 5, 6, 7]])
+  np.testing.assert_array_equal(packed["loss_mask"], [[1, 0, 1, 1, 0, 0, 1, 0, 0],
+                                                      [0, 1, 1, 1, 1, 1, 1, 1, 1]])
+  assert packed["segments"].dtype == packed["positions"].dtype == np.int32
+  assert set(batch) == {"inputs", "targets", "loss_mask"}  # the input batch is left as it was
+
+
+def check_packed(packed, concat, num_real):
+  """A documents-mode batch against the concat batch of the same step or windows."""
+  assert set(concat) == {"inputs", "targets", "loss_mask"}
+  assert set(packed) == set(concat) | {"segments", "positions"}
+  for key in concat:
+    if key != "loss_mask":
+      np.testing.assert_array_equal(packed[key], concat[key])
+  np.testing.assert_array_equal(packed["loss_mask"],
+                                concat["loss_mask"] * (concat["inputs"] != vocab.EOD))
+  for row, real in zip(range(len(packed["inputs"])), num_real):
+    segments, positions = loop_documents(packed["inputs"][row], real)
+    np.testing.assert_array_equal(packed["segments"][row], segments)
+    np.testing.assert_array_equal(packed["positions"][row], positions)
+
+
+def test_packed_documents_in_training_and_evaluation_batches(data_dir, text_corpus):
+  concat = lm_config(data_dir, text_corpus, **{"train.seq_len": 512})
+  documents = lm_config(data_dir, text_corpus, **{"train.seq_len": 512,
+                                                  "data.packing": "documents"})
+  packed = data.train_batch(documents, 3)
+  check_packed(packed, data.train_batch(concat, 3), [512] * 8)
+  assert packed["segments"].max() > 0  # the windows do cross documents
+  parts = [data.train_batch(documents, 3, index, 4) for index in range(4)]
+  for key in packed:
+    np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), packed[key])
+  for mode in data.EVAL_MODES:
+    pairs = list(zip(data.eval_batches(documents, 64, mode), data.eval_batches(concat, 64, mode)))
+    assert len(pairs) == len(list(data.eval_batches(concat, 64, mode)))
+    for packed, plain in pairs:
+      num_real = (plain["inputs"] != vocab.PAD).sum(1)
+      check_packed(packed, plain, num_real)
+    last = pairs[-1][0]
+    if mode == "nonoverlapping":  # 500 targets: the last window has 52 inputs and 12 PADs
+      assert last["segments"][-1, 52] == last["segments"][-1, 51] + 1
+      np.testing.assert_array_equal(last["positions"][-1, 52:], np.arange(12))
+
+
 @pytest.mark.parametrize("name", ["pg19", "lm1b"])
 def test_named_corpora_with_mock_data(name, tmp_path, monkeypatch):
   monkeypatch.setattr(catalog, "reachable", lambda host, port: True)
@@ -514,6 +581,13 @@ def bad_configs(data_dir, text_corpus, empty_dir):
        ["the validation split of text_dir has", "needs 100001", "use lengths <="]),
       ("text_dir", {**lm, "eval.sliding_stride": 40}, ["stride 40", "must be in 1..32"]),
       ("text_dir", {**lm, "eval.num_tokens": 10}, ["eval.num_tokens=10 must be >= the longest"]),
+      ("text_dir", {**lm, "data.packing": "docs"},
+       ["data.packing='docs' is unknown; valid: concat, documents"]),
+      ("copy", {"data.packing": "documents"},
+       ["data.packing='documents' needs a text corpus", "copy is a synthetic task"]),
+      ("passkey", {**NEEDLE, "data.packing": "documents"}, ["passkey is a synthetic task"]),
+      ("text_dir", {**lm, "data.packing": "documents", "model.randomize_max_length": 2048},
+       ["model.randomize_max_length=2048", "set model.randomize_max_length=0"]),
       ("text_dir", {**lm, "data.corpus_path": ""}, ["corpus_path is empty", "directory or a glob"]),
       ("text_dir", {**lm, "data.corpus_path": str(empty_dir)}, ["contains no files"]),
       ("text_dir", {**lm, "data.corpus_path": str(empty_dir / "missing")}, ["neither a file, a directory"]),
@@ -551,6 +625,7 @@ def test_validate_errors(tmp_path, text_corpus):
     for phrase in phrases:
       assert phrase in str(error.value), (name, overrides, str(error.value))
   data.validate(lm_config(tmp_path / "data", text_corpus))
+  data.validate(lm_config(tmp_path / "data", text_corpus, **{"data.packing": "documents"}))
   data.validate(make_config("mqar", tmp_path / "data"))
   for task in needles.TASKS:
     data.validate(make_config(task, tmp_path / "data", **NEEDLE))
@@ -569,3 +644,8 @@ def test_eval_batches_errors(data_dir, text_corpus):
     data.eval_batches(config, 32, "nonoverlapping", split="dev")
   with pytest.raises(ValueError, match="eval.lengths=.64, 640."):
     data.eval_batches(make_config("copy", data_dir), 100, "nonoverlapping")
+  config.data.packing = "docs"  # validated when the dataset was first prepared: refused here too
+  for call in (lambda: data.train_batch(config, 0),
+               lambda: data.eval_batches(config, 32, "sliding")):
+    with pytest.raises(ValueError, match="packing='docs' is unknown; valid: concat, documents"):
+      call()

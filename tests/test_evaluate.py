@@ -62,3 +62,30 @@ def test_eval_step_sums_per_row_and_intervals_cover_the_metrics(model_config):
   both = evaluate.concatenate([sums, sums])
   assert len(both["rows"]["nll"]) == 32
   np.testing.assert_allclose(both["tokens_by_position"], 2 * sums["tokens_by_position"])
+
+
+def test_a_packed_row_scores_each_document_as_if_it_were_alone(model_config):
+  """Segments and positions reach the model through row_sums (padded, sharded batches): a row of
+  three documents gets the nll of the three evaluated one by one."""
+  model = model_lib.build_model(model_config, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  rng = np.random.default_rng(1)
+  lengths = (5, 7, 4)
+  tokens = rng.integers(0, model_config.vocab_size, (sum(lengths) + 1,)).astype(np.int32)
+  batch = {"inputs": tokens[None, :-1], "targets": tokens[None, 1:],
+           "loss_mask": np.ones((1, sum(lengths)), np.float32),
+           "segments": np.repeat(np.arange(3), lengths)[None].astype(np.int32),
+           "positions": np.concatenate([np.arange(n) for n in lengths])[None].astype(np.int32)}
+  mesh = sharding.make_mesh((-1, 1, 1))
+  with jax.set_mesh(mesh):
+    sums = evaluate.row_sums(evaluate.make_eval_step(graphdef), params, iter([batch]), mesh, 8)
+  alone, start = 0.0, 0
+  for n in lengths:
+    logits = model(tokens[None, start:start + n])[0]
+    alone += optax.softmax_cross_entropy_with_integer_labels(
+        logits, tokens[start + 1:start + n + 1]).sum()
+    start += n
+  np.testing.assert_allclose(sums["rows"]["nll"], [alone], rtol=1e-5)
+  whole = optax.softmax_cross_entropy_with_integer_labels(model(batch["inputs"])[0],
+                                                          batch["targets"][0]).sum()
+  assert abs(whole - alone) > 1e-3  # without the segments the documents would see each other

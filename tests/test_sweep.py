@@ -243,3 +243,25 @@ def test_figures_and_summary_from_results_files(name, figures, tmp_path):
   else:
     assert "depth" not in open(os.path.join(workdir, "results.csv")).readline()
   assert "[" in summary.split("## nonoverlapping")[1]  # intervals in the main table
+
+
+def test_lm_extrapolation_baselines_get_readable_distinct_labels(tmp_path):
+  """The sliding-window and packed-document rows are labelled by what they change; settings at
+  their off value (window 0, sinks 0, packing concat) are left out."""
+  members = _expand("lm_extrapolation", "quick")
+  assert len(members) == 10 and not any(m.skip_reason for m in members)
+  sweep.check_sweep_workdir(str(tmp_path), sweep.load_module(os.path.join(
+      ROOT, "configs", "lm_extrapolation.py")).get_config("quick"), members)
+  for index, member in enumerate(members):
+    directory = sweep.run_dir(str(tmp_path), member)
+    os.makedirs(directory)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+      f.write(member.config.to_json())
+    eval_results.append(directory, _fake_evaluations(member.config, index))
+  rows, missing = report.collect(str(tmp_path))
+  assert missing == []
+  labels = {report.variant_label(row, report.swept_keys(rows)) for row in rows}
+  assert labels == {"mha / none", "mha / sinusoidal", "mha / rope", "mha / alibi",
+                    "linear / rope", "mamba / none", "mha / rope / window=128",
+                    "mha / rope / window=128 / sinks=4", "mha / alibi / documents",
+                    "mha / rope / documents"}

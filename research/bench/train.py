@@ -6,10 +6,16 @@ from its metrics.jsonl after compilation, and of a minimal hand-written Flax NNX
 nnx.value_and_grad, nnx.Optimizer with the same optax chain) on the same batches. MFU =
 train FLOPs per token (research.flops) x tokens/s / peak, the peak being a large matmul measured
 in the same run on CPU (datasheet bf16 peak x devices on accelerators).
+
+Packed documents: the same loop and model (PACKING_VARIANT, the shortest length) with
+data.packing = "concat" and "documents" (segment ids and per-document positions in every batch,
+attention within documents), run alternately PACKING_REPEATS times; the median tokens/s of each
+and their ratio (target: documents >= 0.9x concat).
 """
 
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -42,6 +48,9 @@ def variants():
   return mixer_variants() + [("mha", p) for p in positions.REGISTRY if p != "rope"]
 TOKENS_PER_BATCH = 4096  # batch 32 x length 128
 LENGTHS, QUICK_LENGTHS = (128, 512), (32,)
+PACKING_VARIANT = ("mha", "rope")
+PACKING_REPEATS, QUICK_PACKING_REPEATS = 5, 2  # runs of each packing, alternating
+PACKING_TARGET = 0.9  # documents / concat tokens/s
 
 
 def reference_config(attention, position, seq_len, num_steps, dtype):
@@ -73,7 +82,8 @@ def minimal_tokens_per_second(config):
   @nnx.jit
   def step(model, optimizer, batch):
     def loss_fn(model):
-      logits = model(batch["inputs"])
+      logits = model(batch["inputs"], positions_BxL=batch.get("positions"),
+                     segments_BxL=batch.get("segments"))
       nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
       return (nll * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
 
@@ -91,6 +101,36 @@ def minimal_tokens_per_second(config):
   return (t.num_steps - 1) * t.batch_size * t.seq_len / (time.perf_counter() - start)
 
 
+def _row(config, implementation, tokens_per_second, peak, **extra):
+  attention, seq_len = config.model.attention, config.train.seq_len
+  model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
+  flops_per_token = flops.train_flops_per_token(model, seq_len)
+  row = {"variant": f"{attention}/{config.model.position}", "implementation": implementation,
+         "series": f"{attention} {implementation}", "seq_len": seq_len,
+         "batch_size": config.train.batch_size,
+         "params": model_lib.count_params(model), "flops_per_token": flops_per_token,
+         "tokens_per_second": tokens_per_second,
+         "mfu": flops.mfu(flops_per_token, tokens_per_second, peak),
+         "peak_flops": peak, **extra}
+  print(report.progress_line(row), flush=True)
+  return row
+
+
+def packing_rows(seq_len, num_steps, repeats, dtype, peak):
+  """One row per data.packing: the median loop tokens/s over `repeats` alternating runs."""
+  configs = {}
+  for packing in data.PACKINGS:
+    configs[packing] = reference_config(*PACKING_VARIANT, seq_len, num_steps, dtype)
+    configs[packing].data.packing = packing
+  runs = {packing: [] for packing in data.PACKINGS}
+  for _ in range(repeats):  # alternating, so that drifting machine load affects both alike
+    for packing, config in configs.items():
+      runs[packing].append(loop_tokens_per_second(config))
+  return [_row(config, f"loop, packing={packing}", statistics.median(runs[packing]), peak,
+               packing=packing, runs=runs[packing])
+          for packing, config in configs.items()]
+
+
 def run(args):
   lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
   num_steps = 4 if args.quick else 40
@@ -101,35 +141,34 @@ def run(args):
       continue
     for seq_len in lengths:
       config = reference_config(attention, position, seq_len, num_steps, args.dtype)
-      model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
-      flops_per_token = flops.train_flops_per_token(model, seq_len)
-      measured = {"loop": loop_tokens_per_second(config)}
+      rows.append(_row(config, "loop", loop_tokens_per_second(config), peak))
       if seq_len == lengths[0]:
-        measured["minimal"] = minimal_tokens_per_second(config)
-      for implementation, tokens_per_second in measured.items():
-        row = {"variant": f"{attention}/{position}", "implementation": implementation,
-               "series": f"{attention} {implementation}", "seq_len": seq_len,
-               "batch_size": config.train.batch_size,
-               "params": model_lib.count_params(model), "flops_per_token": flops_per_token,
-               "tokens_per_second": tokens_per_second,
-               "mfu": flops.mfu(flops_per_token, tokens_per_second, peak),
-               "peak_flops": peak}
-        print(report.progress_line(row), flush=True)
-        rows.append(row)
+        rows.append(_row(config, "minimal", minimal_tokens_per_second(config), peak))
+  if not args.only or {"packing", "/".join(PACKING_VARIANT)} & set(args.only):
+    rows += packing_rows(lengths[0], num_steps,
+                         QUICK_PACKING_REPEATS if args.quick else PACKING_REPEATS, args.dtype, peak)
   return rows
 
 
 def summary(rows):
   lines = [f"peak (measured large matmul on CPU, datasheet elsewhere): "
            f"{rows[0]['peak_flops'] / 1e9:.1f} GFLOP/s"]
-  for variant in dict.fromkeys(row["variant"] for row in rows):
-    seq_len = min(row["seq_len"] for row in rows if row["variant"] == variant)
+  loop_rows = [row for row in rows if "packing" not in row]
+  for variant in dict.fromkeys(row["variant"] for row in loop_rows):
+    seq_len = min(row["seq_len"] for row in loop_rows if row["variant"] == variant)
     get = lambda impl: report.lookup(rows, "tokens_per_second", variant=variant,
                                      implementation=impl, seq_len=seq_len)
     ratio = report.ratio(get("loop"), get("minimal"))
     lines.append(f"{variant}: loop / minimal NNX step tokens/s at length {seq_len} = "
                  f"{report.fmt_ratio(ratio)} (target >= 0.95x): "
                  f"{report.verdict(ratio, 0.95, at_most=False)}")
+  get = lambda packing: report.lookup(rows, "tokens_per_second", packing=packing)
+  ratio = report.ratio(get("documents"), get("concat"))
+  runs = report.lookup(rows, "runs", packing="concat")
+  lines.append(f"packed-document training loop: documents / concat tokens/s "
+               f"({'/'.join(PACKING_VARIANT)}, medians of {len(runs or ())} alternating runs "
+               f"each) = {report.fmt_ratio(ratio)} (target >= {PACKING_TARGET}x): "
+               f"{report.verdict(ratio, PACKING_TARGET, at_most=False)}")
   return lines
 
 
@@ -137,9 +176,15 @@ def tables(rows):
   body = [[r["variant"], r["implementation"], r["seq_len"], r["batch_size"], f"{r['params']:,}",
            f"{r['flops_per_token'] / 1e6:.2f}", f"{r['tokens_per_second']:,.0f}",
            f"{100 * r['mfu']:.1f}%"] for r in rows]
+  packed = [[r["variant"], r["packing"], r["seq_len"], r["batch_size"],
+             ", ".join(f"{x:,.0f}" for x in r["runs"]), f"{r['tokens_per_second']:,.0f}"]
+            for r in rows if "packing" in r]
   return [("training throughput", report.markdown_table(
       ["variant", "implementation", "length", "batch", "params", "MFLOP/token", "tokens/s",
-       "MFU"], body))]
+       "MFU"], body)),
+          ("packed documents (data.packing), alternating runs", report.markdown_table(
+              ["variant", "packing", "length", "batch", "tokens/s of each run",
+               "median tokens/s"], packed))]
 
 
 SUITE = report.Suite(
@@ -147,7 +192,9 @@ SUITE = report.Suite(
     description=(
         "Training tokens/s and MFU at the reference size (2 layers, d_model 128, 4 heads, "
         f"{TOKENS_PER_BATCH} tokens per batch): the shared loop (`research.train`, metrics.jsonl, "
-        "compilation excluded) against a minimal hand-written Flax NNX step on the same batches."),
+        "compilation excluded) against a minimal hand-written Flax NNX step on the same batches; "
+        "and the loop with packed documents (data.packing=documents) against concatenated "
+        "windows (concat), alternating runs, median tokens/s."),
     run=run, tables=tables, summary=summary,
     panels=(report.Panel("seq_len", "tokens_per_second", "series", "training throughput",
                          "tokens / second"),))

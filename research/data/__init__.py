@@ -11,7 +11,8 @@ tfds.data_source into deterministic numpy batches.
   vocab_size(config)         token ids the dataset uses (model.vocab_size must be >= this)
   is_language_modeling(config)  True for byte corpora (loss, perplexity), False for tasks
 
-Batches are dicts of numpy arrays `inputs`, `targets` (int32) and `loss_mask` (float32).
+Batches are dicts of numpy arrays `inputs`, `targets` (int32) and `loss_mask` (float32), and with
+data.packing = "documents" (language modeling) `segments` and `positions` (int32) too.
 """
 
 from research.data.catalog import NAMES
@@ -19,6 +20,7 @@ from research.data.catalog import NEEDLE_NAMES
 from research.data.catalog import eval_depths
 from research.data.catalog import is_language_modeling
 from research.data.catalog import vocab_size
+from research.data.packing import PACKINGS
 from research.data.pipeline import eval_batches
 from research.data.pipeline import prepare
 from research.data.pipeline import train_batch

@@ -1,6 +1,11 @@
 """Batches: training batches as a pure function of (seed, step, process), evaluation batches over
 fixed text or examples. Every batch is a dict of numpy arrays `inputs`, `targets` (int32) and
-`loss_mask` (float32), each [batch, length].
+`loss_mask` (float32), each [batch, length]. With data.packing = "documents", language-modeling
+batches (training and evaluation) also hold int32 `segments` and `positions` [batch, length]:
+each token's document within its row (the number of END_OF_DOCUMENT inputs before it) and its
+position in that document (0 at the document's first token, or at the start of a window that
+begins mid-document), and END_OF_DOCUMENT inputs get loss mask 0 (research/data/packing.py).
+data.packing = "concat" (the default) returns the three arrays alone.
 
 Training, step s: the global batch is drawn from np.random.default_rng((train.seed, s)).
 Language modeling takes train.batch_size windows of seq_len + 1 tokens at uniform random starts
@@ -16,7 +21,8 @@ len - 1) targets of the split's token stream exactly once, the same text for eve
   the stride S: L, L + S, L + 2S, ..., the last one ending at N; the first window scores all its
   tokens, each later one only its last S (the last: those not scored yet), so every token after
   the first window is predicted with at least L - S tokens of context.
-A window cut short by the end of the text is right-padded with PAD at loss mask 0. Tasks are
+A window cut short by the end of the text is right-padded with PAD at loss mask 0 (with packed
+documents, in one more segment: the row's last id + 1, positions from 0). Tasks are
 evaluated on their num_eval_examples examples of exactly L inputs, whatever the mode; needle
 tasks on those of one depth of eval.depths, or of every depth one after another.
 """
@@ -27,6 +33,7 @@ import numpy as np
 
 from research.data import builders
 from research.data import catalog
+from research.data import packing
 from research.data import storage
 from research.data import validation
 from research.data import vocab
@@ -73,8 +80,9 @@ def train_batch(config, step, process_index=0, process_count=1):
   stream = storage.token_stream(dataset, data_dir, "train")
   starts = rng.integers(0, len(stream) - seq_len, batch_size)[rows]
   windows = stream[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
-  return {"inputs": windows[:, :-1], "targets": windows[:, 1:],
-          "loss_mask": np.ones((local, seq_len), np.float32)}
+  batch = {"inputs": windows[:, :-1], "targets": windows[:, 1:],
+           "loss_mask": np.ones((local, seq_len), np.float32)}
+  return packing.annotate(batch) if packing.documents(config) else batch
 
 
 def lm_windows(num_tokens, length, mode, stride):
@@ -93,7 +101,7 @@ def lm_windows(num_tokens, length, mode, stride):
   return windows
 
 
-def _lm_batches(stream, windows, length, batch_size):
+def _lm_batches(stream, windows, length, batch_size, documents=False):
   for first in range(0, len(windows), batch_size):
     chunk = windows[first:first + batch_size]
     batch = {"inputs": np.full((len(chunk), length), vocab.PAD, np.int32),
@@ -103,6 +111,8 @@ def _lm_batches(stream, windows, length, batch_size):
       batch["inputs"][row, :end - start] = stream[start:end]
       batch["targets"][row, :end - start] = stream[start + 1:end + 1]
       batch["loss_mask"][row, scored_from - start:end - start] = 1
+    if documents:
+      batch = packing.annotate(batch, np.array([end - start for start, _, end in chunk]))
     yield batch
 
 
@@ -151,4 +161,4 @@ def eval_batches(config, length, mode, split="validation", depth=None):
     raise ValueError(f"sliding-window stride {stride} (eval.sliding_stride, 0 meaning "
                      f"train.seq_len // 2) must be in 1..{length} for eval length {length}")
   windows = lm_windows(num_tokens, length, mode, stride)
-  return _lm_batches(stream, windows, length, config.eval.batch_size)
+  return _lm_batches(stream, windows, length, config.eval.batch_size, packing.documents(config))

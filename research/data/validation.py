@@ -4,6 +4,7 @@ from research.data import builders
 from research.data import catalog
 from research.data import corpus
 from research.data import needles
+from research.data import packing
 from research.data import storage
 from research.data import tasks
 
@@ -40,6 +41,7 @@ def _problems(config):
   if t.batch_size > 0 and t.batch_size % config.distributed.num_processes:
     problems.append(f"train.batch_size={t.batch_size} is not divisible by "
                     f"distributed.num_processes={config.distributed.num_processes}")
+  problems += _packing_problems(config)
   if problems:  # the checks below assume positive sizes
     return problems
   if d.name in catalog.NEEDLE_NAMES:
@@ -47,6 +49,25 @@ def _problems(config):
   if d.name in catalog.SYMBOL_TASK_NAMES:
     return _example_count_problems(config) + _task_problems(config)
   return _corpus_problems(config)
+
+
+def _packing_problems(config):
+  """data.packing: a known value; "documents" needs a corpus and the documents' positions."""
+  try:
+    if not packing.documents(config):
+      return []
+  except ValueError as err:
+    return [str(err)]
+  if config.data.name in catalog.TASK_NAMES:
+    return [f"data.packing='documents' needs a text corpus, whose token stream separates "
+            f"documents with END_OF_DOCUMENT; {config.data.name} is a synthetic task with one "
+            "example per row already; use data.packing='concat' (the default) for tasks"]
+  if config.model.randomize_max_length > 0:
+    return [f"data.packing='documents' takes each token's position from its document (0 at the "
+            f"document's start), which model.randomize_max_length="
+            f"{config.model.randomize_max_length} would replace by random positions; set "
+            "model.randomize_max_length=0, or data.packing='concat'"]
+  return []
 
 
 def _example_count_problems(config):
