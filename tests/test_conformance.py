@@ -169,3 +169,16 @@ def test_every_registered_name_is_covered():
     assert {(_family(mixer_cls), p) for p in model_lib.compatible_positions(mixer_cls)} <= by_family
   blockwise = {v.values[1] for v in VARIANTS if v.values[2] == "blockwise"}
   assert blockwise == set(positions.REGISTRY)  # every scheme through the blockwise score path
+
+
+@pytest.mark.parametrize("name", list(attention.REGISTRY))
+def test_every_mixer_builds_the_train_state(name):
+  """The optimizer's weight-decay mask covers the whole model state (an array attribute of a
+  module that is not a declared parameter would fail here, not in the first training run)."""
+  from configs import base  # noqa: PLC0415
+  from research import train  # noqa: PLC0415
+  config = base.get_config()
+  config.model = tiny_model_config(attention=name, position="none")
+  optimizer, _ = train.make_optimizer(config)
+  state = jax.eval_shape(train.make_init_state(config, optimizer))
+  assert jax.tree.leaves(state["opt_state"])

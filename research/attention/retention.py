@@ -80,7 +80,8 @@ class Retention(base.Mixer):
     h = d // n
     self.position, self.num_heads, self.head_dim = position, n, h
     self.chunk_size = int(settings.chunk_size)
-    self.gamma = 1.0 - 2.0 ** (-5.0 - np.arange(n))
+    # A tuple, not an array: a constant of the architecture, not part of the module's state.
+    self.gamma = tuple(float(g) for g in 1.0 - 2.0 ** (-5.0 - np.arange(n)))
     dtype = nn.compute_dtype(model_config)
     self.query, self.key, self.value = (
         base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype) for _ in range(3))
