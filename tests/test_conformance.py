@@ -70,11 +70,11 @@ def _compiled(name, position, backend, window=None):
                              attention_backend=backend or "xla", **settings)
   graphdef, state = nnx.split(research.build_model(config, rngs=nnx.Rngs(0)))
 
-  def forward(state, tokens, segments=None):
+  def forward(state, tokens, segments):
     return nnx.merge(graphdef, state)(tokens, segments_BxL=segments)
 
   def loss_and_logits(state, tokens):
-    logits = forward(state, tokens)
+    logits = nnx.merge(graphdef, state)(tokens)
     loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
                                          tokens[:, 1:, None], -1))
     return loss, logits
@@ -129,32 +129,35 @@ def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, back
 def test_packed_documents_equal_each_document_alone(name, position, backend, window):
   """A row of packed documents (segment ids, positions restarting per document) gives each
   document the logits it gets alone, at the start of a row (causality makes what follows it in
-  that row irrelevant, so one compiled shape serves every document)."""
+  that row irrelevant, so one compiled shape serves every document; a row of one segment is a
+  document alone)."""
   state, _, forward, _, _ = _compiled(name, position, backend, window)
   tokens = _tokens(3)
+  one_document = jnp.zeros((BATCH, LENGTH), jnp.int32)
   packed = forward(state, tokens, jnp.asarray(SEGMENTS))
   for row, segments in enumerate(SEGMENTS):
     starts = [int(np.argmax(segments == s)) for s in np.unique(segments)]
     alone = forward(state, jnp.stack([jnp.roll(tokens[row], -start) for start in starts]
-                                     + [tokens[row]] * (BATCH - len(starts))))
+                                     + [tokens[row]] * (BATCH - len(starts))), one_document)
     for i, start in enumerate(starts):
       end = start + int((segments == segments[start]).sum())
       np.testing.assert_allclose(packed[row, start:end], alone[i, :end - start],
                                  atol=2e-5, rtol=2e-5)
-  unpacked = forward(state, tokens)  # the segments made a difference
+  unpacked = forward(state, tokens, one_document)  # the segments made a difference
   assert float(jnp.abs(unpacked[0, 6:] - packed[0, 6:]).max()) > 1e-4
 
 
 @pytest.mark.parametrize(PARAMETERS, VARIANTS)
 def test_sharded_equals_unsharded(name, position, backend, window):
-  state, grad_and_logits, forward, _, _ = _compiled(name, position, backend, window)
+  state, _, forward, _, _ = _compiled(name, position, backend, window)
   tokens = _tokens(2)
-  expected = grad_and_logits(state, tokens)[1]
+  expected = forward(state, tokens, jnp.asarray(SEGMENTS))  # packed rows, sharded or not
   mesh = sharding.make_mesh((2, 2, 2))
   with jax.set_mesh(mesh):
     sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
     sharded_tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
-    logits = forward(sharded_state, sharded_tokens)
+    segments = jax.device_put(jnp.asarray(SEGMENTS), sharding.batch_sharding(mesh))
+    logits = forward(sharded_state, sharded_tokens, segments)
   specs = [x.sharding.spec for x in jax.tree.leaves(sharded_state)]
   assert any(any(axis is not None for axis in spec) for spec in specs), "nothing was sharded"
   np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=2e-5)

@@ -49,7 +49,7 @@ def variants():
 TOKENS_PER_BATCH = 4096  # batch 32 x length 128
 LENGTHS, QUICK_LENGTHS = (128, 512), (32,)
 PACKING_VARIANT = ("mha", "rope")
-PACKING_REPEATS, QUICK_PACKING_REPEATS = 5, 2  # runs of each packing, alternating
+PACKING_REPEATS, QUICK_PACKING_REPEATS = 5, 1  # runs of each packing, alternating
 PACKING_TARGET = 0.9  # documents / concat tokens/s
 
 
