@@ -3,10 +3,12 @@ saves them (`save`) as
 
   extrapolation.png     perplexity (or task accuracy) against evaluation length, log axes with
                         plain-number ticks, the training length marked; one line per variant
-                        (mean over seeds, band = min..max over seeds), one panel per evaluation
+                        (mean over seeds), one panel per evaluation
                         mode: the ALiBi paper's Figure 1 (arXiv:2108.12409) style.
   rope_scaling.png      the same for the RoPE runs under PI / NTK / YaRN scaling: a variant keeps
                         its colour, each scaling has its own line style.
+                        In both, the band spans the seeds' values and each seed's 95% bootstrap
+                        interval (over evaluation windows), where results.csv has intervals.
   loss_by_position.png  loss at each token position of long non-overlapping windows; the title
                         says which length and mode.
   needle_heatmap.png    needle tasks: the metric at every (evaluation length, needle depth), one
@@ -70,6 +72,8 @@ def extrapolation(rows: list[dict], metric: str,
                   train_length: int) -> matplotlib.figure.Figure:
   """The metric against evaluation length, a panel per mode (rows: one RoPE scaling or several)."""
   table = report.aggregate(rows, metric)
+  lows, highs = report.intervals(rows, metric)
+  intervals = {key: (lows[key], highs[key]) for key in lows}
   modes = sorted({mode for mode, _, _ in table})
   colors = _colors({variant for _, variant, _ in table})
   styles = _line_styles({scaling for _, _, scaling in table})
@@ -83,8 +87,12 @@ def extrapolation(rows: list[dict], metric: str,
       values = [per_length[length] for length in lengths]
       ax.plot(lengths, [np.mean(v) for v in values], marker="o", color=colors[variant],
               linestyle=styles[scaling], label=report.scaled_label(variant, scaling))
-      ax.fill_between(lengths, [min(v) for v in values], [max(v) for v in values],
-                      color=colors[variant], alpha=0.15)
+      low, high = [min(v) for v in values], [max(v) for v in values]
+      interval = intervals.get((m, variant, scaling))
+      if interval:  # the band also spans every seed's 95% interval
+        low = [min(a, *interval[0].get(n, [a])) for a, n in zip(low, lengths)]
+        high = [max(b, *interval[1].get(n, [b])) for b, n in zip(high, lengths)]
+      ax.fill_between(lengths, low, high, color=colors[variant], alpha=0.15)
     ax.axvline(train_length, color="gray", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(ticker.ScalarFormatter())

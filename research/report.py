@@ -165,7 +165,7 @@ def _summary_cell(values, lows, highs, best):
   return text
 
 
-def _intervals(rows, metric):
+def intervals(rows, metric):
   """aggregate() of the metric's interval bounds over the rows that have them (rows evaluated
   before intervals existed have none)."""
   rows = [row for row in rows if f"{metric}_ci_low" in row]
@@ -197,7 +197,7 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
   depth (depth_rows, when there are some), and the runs without results."""
   best = min if metric == "perplexity" else max
   table = aggregate(rows, metric)
-  lows, highs = _intervals(rows, metric)
+  lows, highs = intervals(rows, metric)
   all_lengths = {length for per in table.values() for length in per}
   # The ALiBi paper's comparison point, 8x the training length, else the longest one.
   ratio_length = 8 * train_length if 8 * train_length in all_lengths else max(all_lengths, default=0)

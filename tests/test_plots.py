@@ -58,3 +58,15 @@ def test_the_loss_by_position_title_names_the_length_and_mode():
   figure = plots.loss_by_position(_rows(), train_length=32)
   assert "non-overlapping windows of 256 tokens" in figure.axes[0].get_title()
   plots.plt.close(figure)
+
+
+def test_the_extrapolation_band_spans_the_bootstrap_interval():
+  rows = [dict(row, perplexity_ci_low=row["perplexity"] - 1.0,
+               perplexity_ci_high=row["perplexity"] + 2.0)
+          for row in _rows() if row["model.position"] == "alibi"]
+  figure = plots.extrapolation(rows, "perplexity", train_length=32)
+  (band,) = figure.axes[0].collections
+  ys = band.get_paths()[0].vertices[:, 1]
+  want = [row["perplexity"] for row in rows]
+  assert min(ys) == pytest.approx(min(want) - 1.0) and max(ys) == pytest.approx(max(want) + 2.0)
+  plots.plt.close(figure)
