@@ -86,12 +86,12 @@ class _Tiles:
     k_index = j * self.block + jnp.arange(self.block)
     document_index = (None if self.document_index is None
                       else _block(self.document_index, j, self.block))
-    seen = masks.visible(q_index, k_index, self.window, self.sinks, document_index)
-    seen = seen[None, None, None] if seen.ndim == 2 else seen[:, None, None]
-    if self.segments is not None:
-      seen = seen & masks.same_segment(_block(self.segments, i, self.block),
-                                       _block(self.segments, j, self.block))[:, :, None]
-    return jnp.where(seen, s, _MASKED)
+    q_segments, k_segments = ((None, None) if self.segments is None else
+                              (_block(self.segments, i, self.block),
+                               _block(self.segments, j, self.block)))
+    seen = masks.allowed(q_index, k_index, self.window, self.sinks, q_segments, k_segments,
+                         document_index)
+    return jnp.where(seen[:, :, None], s, _MASKED)  # [B | 1, 1, 1, Q, S] over K and G
 
 
 def _forward(q, k, v, positions, segments, bias_params, block, scale, bias_fn, window, sinks):

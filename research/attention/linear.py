@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from research import nn
 from research.attention import base
+from research.attention import masks
 from research.positions import QK
 
 
@@ -33,23 +34,6 @@ FEATURE_MAPS = {"elu": elu_plus_one, "relu": jax.nn.relu}
 EPSILON = 1e-6
 
 
-def segment_masks(segments_BxC, carried_segment_B):
-  """The masks of one chunk of packed documents:
-  (same_CxC [B, 1, C, S]: query and key in one segment, causal;
-   sees_state [B, C, 1, 1]: the token is in the segment the carried state was summed over;
-   keeps_state [B, 1, 1, 1]: the chunk ends in that segment, so the state carries on;
-   adds_to_state [B, C, 1, 1]: the token is in the chunk's last segment, which the new state sums)."""
-  c = segments_BxC.shape[1]
-  causal = jnp.tril(jnp.ones((c, c), bool))
-  same = (segments_BxC[:, :, None] == segments_BxC[:, None, :]) & causal
-  sees_state = segments_BxC == carried_segment_B[:, None]
-  last = segments_BxC[:, -1]
-  adds = segments_BxC == last[:, None]
-  keeps = last == carried_segment_B
-  return (same[:, None], sees_state[:, :, None, None], keeps[:, None, None, None],
-          adds[:, :, None, None])
-
-
 def _chunk(carry, chunk):
   """One chunk: outputs from the carried state plus the causal intra-chunk part.
 
@@ -59,7 +43,7 @@ def _chunk(carry, chunk):
   state_BxNxHxH, normalizer_BxNxH, carried_segment_B = carry
   segments_BxC, q, k, v = chunk[:4]
   q_rot, k_rot = chunk[4:] or (q, k)
-  same, sees_state, keeps_state, adds = segment_masks(segments_BxC, carried_segment_B)
+  same, sees_state, keeps_state, adds = masks.chunk_segments(segments_BxC, carried_segment_B)
   scores = jnp.where(same, jnp.einsum("bcnh,bsnh->bncs", q_rot, k_rot), 0.0)
   numerator = (jnp.einsum("bncs,bsnh->bcnh", scores, v)
                + jnp.einsum("bcnh,bnhe->bcne", q_rot * sees_state, state_BxNxHxH))

@@ -86,6 +86,35 @@ def same_segment(q_segments_BxT, k_segments_BxS):
   return (q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :])[:, None]
 
 
+def allowed(q_index_T, k_index_S, window=0, sinks=0, q_segments_BxT=None, k_segments_BxS=None,
+            k_document_index_BxS=None):
+  """[B | 1, 1, T, S] bool, broadcasting over heads: visible, and in the same segment when
+  segment ids are given (k_document_index_BxS: the keys' indices within their documents, for
+  the sinks of packed documents)."""
+  seen = visible(q_index_T, k_index_S, window, sinks, k_document_index_BxS)
+  seen = seen[None, None] if seen.ndim == 2 else seen[:, None]
+  if q_segments_BxT is not None:
+    seen = seen & same_segment(q_segments_BxT, k_segments_BxS)
+  return seen
+
+
+def chunk_segments(segments_BxC, carried_segment_B):
+  """The masks of one chunk of packed documents for a chunked recurrent form:
+  (same [B, 1, C, C]: query and key in one segment, causal;
+   sees_state [B, C, 1, 1]: the token is in the segment the carried state was summed over;
+   keeps_state [B, 1, 1, 1]: the chunk ends in that segment, so the state carries on;
+   adds_to_state [B, C, 1, 1]: the token is in the chunk's last segment, which the new state sums)."""
+  c = segments_BxC.shape[1]
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  same = (segments_BxC[:, :, None] == segments_BxC[:, None, :]) & causal
+  sees_state = segments_BxC == carried_segment_B[:, None]
+  last = segments_BxC[:, -1]
+  adds = segments_BxC == last[:, None]
+  keeps = last == carried_segment_B
+  return (same[:, None], sees_state[:, :, None, None], keeps[:, None, None, None],
+          adds[:, :, None, None])
+
+
 def key_blocks(query_block, block, window, sinks, packed=False):
   """(number of sink blocks visited, first key block of the window) for a query block: key
   blocks [0, sink blocks) and [first, query_block] may hold a visible key, no others. With

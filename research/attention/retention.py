@@ -19,7 +19,7 @@ import numpy as np
 
 from research import nn
 from research.attention import base
-from research.attention.linear import segment_masks
+from research.attention import masks
 from research.positions import QK
 
 
@@ -27,7 +27,7 @@ def _chunk(log_gamma_N, carry, chunk):
   """One chunk of the chunkwise form; padding tokens (valid 0) neither decay nor add."""
   state_BxNxHxE, carried_segment_B = carry
   segments_BxC, valid_C, q, k, v = chunk
-  same, sees_state, keeps_state, adds = segment_masks(segments_BxC, carried_segment_B)
+  same, sees_state, keeps_state, adds = masks.chunk_segments(segments_BxC, carried_segment_B)
   # A_n = sum of log decays of tokens 0..n of the chunk: gamma^(n - m) = exp(A_n - A_m).
   log_decay_CxN = jnp.cumsum(valid_C[:, None] * log_gamma_N[None, :], axis=0)
   within_NxCxC = jnp.exp(jnp.minimum(log_decay_CxN.T[:, :, None] - log_decay_CxN.T[:, None, :], 0))

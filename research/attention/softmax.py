@@ -117,10 +117,8 @@ class SoftmaxAttention(base.Mixer):
       # In packed documents the sinks of each document are its first tokens.
       document_index = (None if segments_BxL is None or not self.sinks
                         else masks.positions_in_documents(segments_BxL))
-      mask = masks.visible(index, index, self.window, self.sinks, document_index)
-      mask = mask[None, None] if mask.ndim == 2 else mask[:, None]
-      if segments_BxL is not None:
-        mask = mask & masks.same_segment(segments_BxL, segments_BxL)
+      mask = masks.allowed(index, index, self.window, self.sinks, segments_BxL, segments_BxL,
+                           document_index)
     return self._dot_product(q, k, v, positions_BxL, positions_BxL, mask, self.backend)
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
