@@ -19,7 +19,9 @@ import research
 from research import attention, model as model_lib, positions, sharding
 from tests.conftest import tiny_model_config
 
-BATCH, LENGTH, PREFILL, SECOND_CHUNK = 4, 19, 7, 5  # not multiples of the block / chunk size 8
+# Not multiples of the block / chunk size 8; the second chunk (6 tokens, written at index 7) is
+# longer than the window of 5, so it wraps the rolling cache within one write.
+BATCH, LENGTH, PREFILL, SECOND_CHUNK = 4, 19, 7, 6
 CPU_BACKENDS = ("xla", "blockwise")
 # Packed documents of lengths 6, 9, 4 / 3, 16 / 19 / 8, 1, 10: they start inside chunks of 8, span
 # chunk boundaries, and one is a single token.

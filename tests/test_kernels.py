@@ -1,5 +1,7 @@
 """Fast paths against their naive float32 references (research.attention.reference)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from flax import nnx
 
 from research import positions
-from research.attention import reference
+from research.attention import masks, reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
 from research.attention.retention import chunked_retention
@@ -246,6 +248,56 @@ def test_chunked_retention_equals_the_recurrence_from_a_state_and_per_document()
   packed, _ = chunked_retention(q, k, v, gamma, jnp.concatenate([zeros, zeros]), chunk_size=8, segments=SEGMENTS_37)
   alone = _per_document(lambda *a: reference.retention(*a, gamma, zeros)[0], SEGMENTS_37, q, k, v)
   np.testing.assert_allclose(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mixer", ["linear", "retention"])
+def test_state_passed_in_belongs_to_the_first_document_only(mixer):
+  """Chunked form from the final state of a prefix P, on packed documents d0, d1, ...: d0 continues
+  P (the reference runs [P; d0] from zero), every later document starts from zero."""
+  b, n, h, prefix_length = 2, 2, 4, 5
+  q, k, v = (jax.nn.softplus(_normal(i, (b, prefix_length + 37, n, h))) for i in range(3))
+  gamma = 1.0 - 2.0 ** (-1.0 - np.arange(n))
+  if mixer == "linear":
+    zeros = (jnp.zeros((b, n, h, h)), jnp.zeros((b, n, h)))
+    chunked = functools.partial(chunked_linear_attention, feature_map="relu", chunk_size=8)
+    naive = reference.linear_attention
+  else:
+    zeros = jnp.zeros((b, n, h, h))
+    chunked = functools.partial(chunked_retention, gamma_N=gamma, chunk_size=8)
+    naive = lambda q, k, v: reference.retention(q, k, v, gamma, zeros[:1])[0]  # noqa: E731
+  prefix, rest = ((x[:, :prefix_length] for x in (q, k, v)),
+                  [x[:, prefix_length:] for x in (q, k, v)])
+  _, state = chunked(*prefix, state=zeros)
+  got, _ = chunked(*rest, state=state, segments=SEGMENTS_37)
+  want = _per_document(naive, SEGMENTS_37, *rest)
+  for row, first_length in enumerate((10, 3)):  # d0 of each row continues the prefix
+    continued = naive(*(x[row:row + 1, :prefix_length + first_length] for x in (q, k, v)))
+    want = want.at[row, :first_length].set(continued[0, prefix_length:])
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  fresh, _ = chunked(*rest, state=zeros, segments=SEGMENTS_37)
+  assert float(jnp.abs(fresh[:, :3] - got[:, :3]).max()) > 1e-3  # the state mattered
+
+
+@pytest.mark.parametrize("block,window,sinks", [(4, 5, 0), (4, 5, 2), (8, 12, 9), (4, 16, 1)])
+def test_blockwise_visits_exactly_the_tiles_that_hold_a_visible_key(block, window, sinks):
+  """The tile ranges of masks.key_blocks (forward: key blocks per query block) and
+  masks.last_query_block (backward: query blocks per key block) are exactly the (query block,
+  key block) tiles with at least one visible pair: none is missed, none computed in vain."""
+  length = 64
+  num_blocks = length // block
+  index = np.arange(length)
+  element = np.asarray(masks.visible(index, index, window, sinks))
+  needed = {(i, j) for i in range(num_blocks) for j in range(num_blocks)
+            if element[i * block:(i + 1) * block, j * block:(j + 1) * block].any()}
+  forward = set()
+  for i in range(num_blocks):
+    sink_blocks, first = (int(x) for x in masks.key_blocks(i, block, window, sinks))
+    forward |= {(i, j) for j in [*range(sink_blocks), *range(first, i + 1)]}
+  backward = {(i, j) for j in range(num_blocks)
+              for i in range(j, int(masks.last_query_block(j, block, window, sinks,
+                                                           num_blocks)) + 1)}
+  assert forward == needed and backward == needed
+  assert len(needed) < num_blocks * (num_blocks + 1) // 2  # the window skipped some tiles
 
 
 @pytest.mark.parametrize("scan", sorted(SCANS))
