@@ -11,7 +11,7 @@ extrapolation.png / results.csv rows that pool every depth.
   python -m experiments.run --config=configs/long_context.py:quick --workdir=runs/needles
       passkey and needle_single x 2 variants (MHA with RoPE, with ALiBi), 1 seed: 800 steps of
       training at 256 bytes, evaluation at 256, 512 and 1024 bytes x 5 depths x 64 examples.
-      Run it with --parallel=2 on 2 CPU cores (target: 25 minutes). The multi-key and
+      17 minutes with --parallel=2 on 2 idle CPU cores (target: 25). The multi-key and
       multi-value tasks need more training than a CPU preset affords (600 steps left all four
       tasks x both variants at exact match <= 0.006 except passkey, in 32 minutes), so they are
       in `full` only; `--config.data.name=needle_multikey` trains one with the quick settings.
