@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench accelerator-check clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench --suite=decode --out=runs/bench
 	$(PY) -m experiments.bench --suite=train --out=runs/bench
 	$(PY) -m experiments.bench --suite=state --out=runs/bench
+
+# On a GPU machine, after `pip install -r requirements-gpu.txt` in .venv: under 10 minutes on one
+# H200, appends a dated table to BENCHMARKS.md (experiments/accelerator_check.py).
+accelerator-check: $(STAMP)
+	$(PY) -m experiments.accelerator_check --out=runs/accelerator_check_$$(date +%Y%m%d_%H%M%S)
 
 clean:
 	rm -rf $(VENV) runs

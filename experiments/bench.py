@@ -5,6 +5,7 @@
   python -m experiments.bench --suite=decode --out=DIR
   python -m experiments.bench --suite=train --out=DIR
   python -m experiments.bench --suite=state --out=DIR
+  python -m experiments.bench --suite=recurrent --out=DIR
 
 mixers: forward + backward time and compiled temp memory of each mixer kernel against length
 (about 6 minutes on a 2-core CPU); decode: per-token decode latency and cache bytes against
@@ -13,7 +14,8 @@ minimal NNX step, and the loop with packed documents against concatenated window
 (data.packing; --only=packing runs that comparison alone) (about 5 minutes); state:
 sliding-window against full blockwise attention, a rolling window + sinks cache against the full
 KV cache, one prefill against token-by-token decoding (research/bench/state.py; fixed lengths,
-no --lengths). --quick: short lengths and fewer repeats, a smoke test.
+no --lengths); recurrent: each recurrent mixer's chunked fwd+bwd against its own token-by-token
+recurrence, and its memory growth (research/bench/recurrent.py). --quick: short lengths and fewer repeats, a smoke test.
 The markdown file lists the performance targets as ratios computed from the same run.
 """
 
@@ -23,6 +25,7 @@ import sys
 
 from research.bench import decode
 from research.bench import mixers
+from research.bench import recurrent
 from research.bench import report
 from research.bench import state
 from research.bench import train
@@ -34,6 +37,7 @@ SUITES = {
     "decode": decode.SUITE,
     "train": train.SUITE,
     "state": state.SUITE,
+    "recurrent": recurrent.SUITE,
 }
 
 
@@ -48,7 +52,7 @@ def parse_args(argv):
   parser.add_argument("--quick", action="store_true", help="short lengths, fewer repeats")
   parser.add_argument("--only", default="",
                       help="comma-separated kernels (mixers) or attention/position variants "
-                           "(train, decode; state: its prefill part) to run, or `packing` "
+                           "(train, decode; state: its prefill part; recurrent: mixer names) to run, or `packing` "
                            "(train: the data.packing comparison); default: every one the "
                            "registries give")
   args = parser.parse_args(argv)

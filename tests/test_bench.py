@@ -6,11 +6,14 @@ with a reason, and that the JSON, markdown and PNG files hold what the reports n
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
 from experiments import bench
 from research.bench import decode
 from research.bench import mixers
+from research.bench import recurrent
 from research.bench import report
 from research.bench import state
 from research.bench import timing
@@ -147,6 +150,36 @@ def test_state_suite_measures_window_cache_and_prefill(tmp_path):
 def test_state_suite_refuses_lengths():
   with pytest.raises(SystemExit):
     bench.parse_args(["--suite=state", "--out=x", "--lengths=16"])
+
+
+def test_recurrent_suite_times_chunked_against_the_recurrence(tmp_path):
+  """Every constant-state mixer is found in the registry; for one, both forms are timed and the
+  chunked form's memory is read at two lengths, and the targets are computed from them."""
+  found = recurrent.constant_state_mixers("float32")
+  assert {"linear", "retention", "mamba"} <= set(found) and not {"mha", "gqa"} & set(found)
+  paths = bench.main(["--suite=recurrent", f"--out={tmp_path}", "--quick", "--only=linear"])
+  with open(paths["json"]) as f:
+    rows = json.load(f)["rows"]
+  with open(paths["md"]) as f:
+    markdown = f.read()
+  assert not [row for row in rows if row.get("skipped")], markdown
+  assert {(r["part"], r["form"], r["length"]) for r in rows} == {
+      ("time", "chunked", recurrent.QUICK.time_length),
+      ("time", "recurrence", recurrent.QUICK.time_length),
+      *(("memory", "chunked", length) for length in recurrent.QUICK.memory_lengths)}
+  assert all(r["time_ms"] > 0 for r in rows if r["part"] == "time")
+  assert all(r["temp_bytes"] > 0 for r in rows if r["part"] == "memory")
+  assert "linear: chunked fwd+bwd at 256" in markdown and "token-by-token recurrence" in markdown
+
+
+def test_recurrent_forms_compute_the_same_gradients():
+  """The token-by-token recurrence the suite times is the same function as the chunked form."""
+  grads, params = recurrent.forms("linear", "float32")
+  x, cotangent = (0.1 * a for a in recurrent._inputs(24, "float32"))  # pylint: disable=protected-access
+  chunked, stepwise = (jax.tree.leaves(grads[form](params, x, cotangent))
+                       for form in ("chunked", "recurrence"))
+  for a, b in zip(chunked, stepwise):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
 
 
 def test_interleaved_seconds_takes_turns_after_one_warm_up_each():

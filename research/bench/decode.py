@@ -121,7 +121,9 @@ def summary(rows):
                                                        context=context)
   f = report.fmt_ratio
   lines = []
-  for variant in ("linear", "mamba"):
+  constant_state = [v for v in dict.fromkeys(row["variant"] for row in rows)
+                    if get("cache_bytes", v, short) == get("cache_bytes", v, long) is not None]
+  for variant in constant_state:  # recurrent mixers: latency must not grow with the context
     growth = report.ratio(get("latency_ms", variant, long), get("latency_ms", variant, short))
     lines.append(f"{variant} latency {long}/{short} = {f(growth)} (target <= 1.5x): "
                  f"{report.verdict(growth, 1.5)}")
