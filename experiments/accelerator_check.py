@@ -52,7 +52,7 @@ def steps(out, dry_run):
                      *(["--only=linear"] if dry_run else [])], 90, {}),
       ("mfu", [python, "-m", "experiments.train",
                f"--config=configs/model_125m.py:{'smoke' if dry_run else 'mfu'}",
-               f"--workdir={out}/mfu_125m", *(["--config.train.num_steps=6",
+               f"--workdir={out}/mfu_125m", *(["--config.train.num_steps=6", "--config.train.warmup_steps=1",
                                                "--config.train.log_every=3"] if dry_run else [])],
        150, {}),
   ]

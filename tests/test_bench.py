@@ -188,3 +188,24 @@ def test_interleaved_seconds_takes_turns_after_one_warm_up_each():
                                       "b": lambda: order.append("b")}, 3)
   assert order == ["a", "b"] * 4
   assert {name: len(seconds) for name, seconds in times.items()} == {"a": 3, "b": 3}
+
+
+def test_accelerator_check_fits_its_budget_and_its_model_is_125m():
+  """The prepared GPU check: its bench command lines parse, its step limits sum to under 10
+  minutes, and configs/model_125m.py:mfu builds a model of about 125M parameters (abstractly)."""
+  from configs import model_125m  # noqa: PLC0415
+  from experiments import accelerator_check  # noqa: PLC0415
+  from research import model as model_lib  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  commands = accelerator_check.steps("/tmp/out", dry_run=False)
+  assert sum(limit for _, _, limit, _ in commands) < 600
+  for _, command, _, _ in commands:
+    if "experiments.bench" in command:
+      bench.parse_args(command[command.index("experiments.bench") + 1:])
+  config = model_125m.get_config("mfu")
+  assert config.model.attention_backend == "cudnn"  # refused on CPU; the parameters are the same
+  model_config = config.model.copy_and_resolve_references()
+  model_config.attention_backend = "xla"
+  model = nnx.eval_shape(lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))
+  assert 120e6 < model_lib.count_params(model) < 130e6
+  assert config.train.seq_len == 2048 and config.model.compute_dtype == "bfloat16"
