@@ -7,7 +7,7 @@ import pytest
 
 from flax import nnx
 
-from research import positions
+from research import attention, positions
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
@@ -258,3 +258,56 @@ def test_chunked_scan_resets_at_document_starts(scan):
   want = _per_document(lambda x, d, b, c: reference.sequential_selective_scan(x, d, A, b, c, h0)[0],
                        SEGMENTS_37, x, delta, B, C)
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _mixer(name, **overrides):
+  """The registered mixer `name` alone, built from the tiny test config with `overrides`."""
+  config = tiny_model_config(attention=name, **overrides)
+  return attention.REGISTRY[name](attention.REGISTRY.settings(name, config), config,
+                                  positions.build(config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(0))
+
+
+def _outputs_and_gradients(forward, mixer, x):
+  """forward(mixer, x) and the gradients of <forward, cotangent> w.r.t. x and the parameters."""
+  graphdef, params = nnx.split(mixer)
+  cotangent = _normal(9, x.shape)
+  out, pullback = jax.vjp(lambda p, x: forward(nnx.merge(graphdef, p), x), params, x)
+  return out, pullback(cotangent)
+
+
+def _naive_retention_mixer(mixer, x_BxLxD):
+  """MSR(X) = (swish(X W_G) * RMSNorm_per_head(retention)) W_O, the retention one token at a time."""
+  positions_1xL = jnp.arange(x_BxLxD.shape[1])[None]
+  h = mixer.head_dim
+  q = mixer.position.queries(mixer.query(x_BxLxD), positions_1xL)
+  k = mixer.position.keys(mixer.key(x_BxLxD) / np.sqrt(h), positions_1xL)
+  state = jnp.zeros((x_BxLxD.shape[0], mixer.num_heads, h, h))
+  o, _ = reference.retention(q, k, mixer.value(x_BxLxD), mixer.gamma, state)
+  normalised = o / jnp.sqrt((o ** 2).mean(-1, keepdims=True) + 1e-6)
+  return mixer.out(jax.nn.silu(mixer.gate(x_BxLxD)) * normalised)
+
+
+def test_retention_mixer_equals_the_token_by_token_reference_with_gradients():
+  mixer = _mixer("retention", position="xpos", retention=dict(chunk_size=8))
+  x = _normal(0, (2, 21, 32))
+  got = jax.jit(lambda x: _outputs_and_gradients(
+      lambda m, x: m(x, jnp.arange(21)[None]), mixer, x))(x)
+  want = jax.jit(lambda x: _outputs_and_gradients(_naive_retention_mixer, mixer, x))(x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_retention_output_of_a_slow_decay_head_does_not_grow_with_context():
+  """Head 3 decays with gamma = 1 - 2^-8: its retention sums ~256 tokens and grows with the
+  context; after the per-head norm the mixer's output stays the size it has at the start."""
+  mixer = _mixer("retention", position="none")
+  length = 512
+  x = _normal(0, (1, 1, 32)) + _normal(1, (1, length, 32), 0.3)  # a shared direction plus noise
+  q, k, v = (f(x) for f in (mixer.query, mixer.key, mixer.value))
+  raw, _ = chunked_retention(q, k / np.sqrt(mixer.head_dim), v, mixer.gamma,
+                             mixer.init_cache(1, 0))
+  rms = lambda y: float(jnp.sqrt(jnp.mean(y ** 2)))
+  assert rms(raw[:, -64:, 3]) > 10 * rms(raw[:, :8, 3])  # what the norm has to undo
+  out = mixer(x, jnp.arange(length)[None])
+  assert 0.5 < rms(out[:, -64:]) / rms(out[:, :8]) < 2
+
