@@ -11,6 +11,7 @@ from research import attention, positions
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
+from research.attention.mamba2 import chunked_ssd
 from research.attention.retention import chunked_retention
 from research.attention.ssm import SCANS, chunked_selective_scan
 from research.positions import alibi_slopes
@@ -311,3 +312,62 @@ def test_retention_output_of_a_slow_decay_head_does_not_grow_with_context():
   out = mixer(x, jnp.arange(length)[None])
   assert 0.5 < rms(out[:, -64:]) / rms(out[:, :8]) < 2
 
+
+def _ssd_inputs(b=2, length=37, heads=3, p=4, n=5):
+  x = _normal(0, (b, length, heads, p))
+  B, C = _normal(1, (b, length, n)), _normal(2, (b, length, n))
+  dt = jax.nn.softplus(_normal(3, (b, length, heads)) - 1.0)
+  A = -jnp.exp(_normal(4, (heads,)))
+  return x, dt, A, B, C, _normal(5, (b, heads, p, n))
+
+
+def test_chunked_ssd_equals_the_recurrence_with_gradients_from_a_state_and_per_document():
+  inputs = _ssd_inputs()
+
+  def loss(f):
+    return lambda *a: (lambda y, h: (y ** 2).sum() + h.sum())(*f(*a))
+
+  chunked = lambda *a: chunked_ssd(*a, chunk_size=8)
+  for g, w in zip(jax.jit(chunked)(*inputs), reference.ssd_recurrence(*inputs)):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+  got = jax.jit(jax.grad(loss(chunked), argnums=tuple(range(6))))(*inputs)
+  want = jax.jit(jax.grad(loss(reference.ssd_recurrence), argnums=tuple(range(6))))(*inputs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-3, rtol=1e-3)
+  x, dt, A, B, C, h0 = inputs
+  zeros = jnp.zeros_like(h0[:1])
+  packed, _ = chunked_ssd(x, dt, A, B, C, jnp.zeros_like(h0), chunk_size=8, segments=SEGMENTS_37)
+  alone = _per_document(lambda x, dt, B, C: reference.ssd_recurrence(x, dt, A, B, C, zeros)[0],
+                        SEGMENTS_37, x, dt, B, C)
+  np.testing.assert_allclose(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+def _naive_mamba2_mixer(mixer, u_BxLxD):
+  """Mamba-2 with the convolution written out and the SSM one token at a time."""
+  b, length, _ = u_BxLxD.shape
+  w = mixer.conv_width
+
+  def conv(name, proj):
+    padded = jnp.pad(proj(u_BxLxD), [(0, 0), (w - 1, 0), (0, 0)])
+    kernel = mixer.conv_kernels[name][...]
+    out = sum(kernel[i] * padded[:, i:i + length] for i in range(w))
+    return jax.nn.silu(out + mixer.conv_biases[name][...])
+
+  x = conv("x", mixer.x_proj).reshape(b, length, mixer.num_heads, mixer.head_dim)
+  dt = jax.nn.softplus(mixer.dt_proj(u_BxLxD) + mixer.dt_bias[...])
+  h0 = jnp.zeros((b, mixer.num_heads, mixer.head_dim, mixer.state_size))
+  y, _ = reference.ssd_recurrence(x, dt, -jnp.exp(mixer.A_log[...]), conv("B", mixer.B_proj),
+                                  conv("C", mixer.C_proj), h0)
+  y = (y + mixer.D[...][:, None] * x).reshape(b, length, -1) * jax.nn.silu(mixer.z_proj(u_BxLxD))
+  y = y / jnp.sqrt((y ** 2).mean(-1, keepdims=True) + 1e-5) * mixer.norm_scale[...]
+  return mixer.out_proj(y)
+
+
+def test_mamba2_mixer_equals_the_token_by_token_reference_with_gradients():
+  mixer = _mixer("mamba2", position="none")
+  x = _normal(0, (2, 21, 32))
+  got = jax.jit(lambda x: _outputs_and_gradients(
+      lambda m, x: m(x, jnp.arange(21)[None]), mixer, x))(x)
+  want = jax.jit(lambda x: _outputs_and_gradients(_naive_mamba2_mixer, mixer, x))(x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
