@@ -9,10 +9,11 @@ import pytest
 
 from flax import nnx
 
-from research import positions
+from research import attention, positions
 from research.attention import masks, reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
+from research.attention.mamba2 import chunked_ssd
 from research.attention.retention import chunked_retention
 from research.attention.ssm import SCANS, chunked_selective_scan
 from research.positions import alibi_slopes
@@ -310,3 +311,115 @@ def test_chunked_scan_resets_at_document_starts(scan):
   want = _per_document(lambda x, d, b, c: reference.sequential_selective_scan(x, d, A, b, c, h0)[0],
                        SEGMENTS_37, x, delta, B, C)
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _mixer(name, **overrides):
+  """The registered mixer `name` alone, built from the tiny test config with `overrides`."""
+  config = tiny_model_config(attention=name, **overrides)
+  return attention.REGISTRY[name](attention.REGISTRY.settings(name, config), config,
+                                  positions.build(config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(0))
+
+
+def _outputs_and_gradients(forward, mixer, x):
+  """forward(mixer, x) and the gradients of <forward, cotangent> w.r.t. x and the parameters."""
+  graphdef, params = nnx.split(mixer)
+  cotangent = _normal(9, x.shape)
+  out, pullback = jax.vjp(lambda p, x: forward(nnx.merge(graphdef, p), x), params, x)
+  return out, pullback(cotangent)
+
+
+def _naive_retention_mixer(mixer, x_BxLxD):
+  """MSR(X) = (swish(X W_G) * RMSNorm_per_head(retention)) W_O, the retention one token at a time."""
+  positions_1xL = jnp.arange(x_BxLxD.shape[1])[None]
+  h = mixer.head_dim
+  q = mixer.position.queries(mixer.query(x_BxLxD), positions_1xL)
+  k = mixer.position.keys(mixer.key(x_BxLxD) / np.sqrt(h), positions_1xL)
+  state = jnp.zeros((x_BxLxD.shape[0], mixer.num_heads, h, h))
+  o, _ = reference.retention(q, k, mixer.value(x_BxLxD), mixer.gamma, state)
+  normalised = o / jnp.sqrt((o ** 2).mean(-1, keepdims=True) + 1e-6)
+  return mixer.out(jax.nn.silu(mixer.gate(x_BxLxD)) * normalised)
+
+
+def test_retention_mixer_equals_the_token_by_token_reference_with_gradients():
+  mixer = _mixer("retention", position="xpos", retention=dict(chunk_size=8))
+  x = _normal(0, (2, 21, 32))
+  got = jax.jit(lambda x: _outputs_and_gradients(
+      lambda m, x: m(x, jnp.arange(21)[None]), mixer, x))(x)
+  want = jax.jit(lambda x: _outputs_and_gradients(_naive_retention_mixer, mixer, x))(x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_retention_output_of_a_slow_decay_head_does_not_grow_with_context():
+  """Head 3 decays with gamma = 1 - 2^-8: its retention sums ~256 tokens and grows with the
+  context; after the per-head norm the mixer's output stays the size it has at the start."""
+  mixer = _mixer("retention", position="none")
+  length = 512
+  x = _normal(0, (1, 1, 32)) + _normal(1, (1, length, 32), 0.3)  # a shared direction plus noise
+  q, k, v = (f(x) for f in (mixer.query, mixer.key, mixer.value))
+  raw, _ = chunked_retention(q, k / np.sqrt(mixer.head_dim), v, mixer.gamma,
+                             mixer.init_cache(1, 0))
+  rms = lambda y: float(jnp.sqrt(jnp.mean(y ** 2)))
+  assert rms(raw[:, -64:, 3]) > 10 * rms(raw[:, :8, 3])  # what the norm has to undo
+  out = mixer(x, jnp.arange(length)[None])
+  assert 0.5 < rms(out[:, -64:]) / rms(out[:, :8]) < 2
+
+
+def _ssd_inputs(b=2, length=37, heads=3, p=4, n=5):
+  x = _normal(0, (b, length, heads, p))
+  B, C = _normal(1, (b, length, n)), _normal(2, (b, length, n))
+  dt = jax.nn.softplus(_normal(3, (b, length, heads)) - 1.0)
+  A = -jnp.exp(_normal(4, (heads,)))
+  return x, dt, A, B, C, _normal(5, (b, heads, p, n))
+
+
+def test_chunked_ssd_equals_the_recurrence_with_gradients_from_a_state_and_per_document():
+  inputs = _ssd_inputs()
+
+  def loss(f):
+    return lambda *a: (lambda y, h: (y ** 2).sum() + h.sum())(*f(*a))
+
+  chunked = lambda *a: chunked_ssd(*a, chunk_size=8)
+  for g, w in zip(jax.jit(chunked)(*inputs), reference.ssd_recurrence(*inputs)):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+  got = jax.jit(jax.grad(loss(chunked), argnums=tuple(range(6))))(*inputs)
+  want = jax.jit(jax.grad(loss(reference.ssd_recurrence), argnums=tuple(range(6))))(*inputs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-3, rtol=1e-3)
+  x, dt, A, B, C, h0 = inputs
+  zeros = jnp.zeros_like(h0[:1])
+  packed, _ = chunked_ssd(x, dt, A, B, C, jnp.zeros_like(h0), chunk_size=8, segments=SEGMENTS_37)
+  alone = _per_document(lambda x, dt, B, C: reference.ssd_recurrence(x, dt, A, B, C, zeros)[0],
+                        SEGMENTS_37, x, dt, B, C)
+  np.testing.assert_allclose(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+def _naive_mamba2_mixer(mixer, u_BxLxD):
+  """Mamba-2 with the convolution written out and the SSM one token at a time."""
+  b, length, _ = u_BxLxD.shape
+  w = mixer.conv_width
+
+  def conv(name, proj):
+    padded = jnp.pad(proj(u_BxLxD), [(0, 0), (w - 1, 0), (0, 0)])
+    kernel = mixer.conv_kernels[name][...]
+    out = sum(kernel[i] * padded[:, i:i + length] for i in range(w))
+    return jax.nn.silu(out + mixer.conv_biases[name][...])
+
+  x = conv("x", mixer.x_proj).reshape(b, length, mixer.num_heads, mixer.head_dim)
+  dt = jax.nn.softplus(mixer.dt_proj(u_BxLxD) + mixer.dt_bias[...])
+  h0 = jnp.zeros((b, mixer.num_heads, mixer.head_dim, mixer.state_size))
+  y, _ = reference.ssd_recurrence(x, dt, -jnp.exp(mixer.A_log[...]), conv("B", mixer.B_proj),
+                                  conv("C", mixer.C_proj), h0)
+  y = (y + mixer.D[...][:, None] * x).reshape(b, length, -1) * jax.nn.silu(mixer.z_proj(u_BxLxD))
+  y = y / jnp.sqrt((y ** 2).mean(-1, keepdims=True) + 1e-5) * mixer.norm_scale[...]
+  return mixer.out_proj(y)
+
+
+def test_mamba2_mixer_equals_the_token_by_token_reference_with_gradients():
+  mixer = _mixer("mamba2", position="none")
+  x = _normal(0, (2, 21, 32))
+  got = jax.jit(lambda x: _outputs_and_gradients(
+      lambda m, x: m(x, jnp.arange(21)[None]), mixer, x))(x)
+  want = jax.jit(lambda x: _outputs_and_gradients(_naive_mamba2_mixer, mixer, x))(x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)

@@ -43,7 +43,7 @@ def test_kv_cache_bytes_formula(name, kv_heads):
   assert model.cache_bytes(batch, tokens) == 2 * 3 * kv_heads * head_dim * 2 * tokens * batch
 
 
-@pytest.mark.parametrize("name", ["linear", "mamba"])
+@pytest.mark.parametrize("name", ["linear", "mamba", "mamba2"])
 def test_recurrent_state_does_not_grow_with_context(name):
   model = nnx.eval_shape(lambda: research.build_model(
       tiny_model_config(attention=name, position="none"), rngs=nnx.Rngs(0)))
@@ -97,7 +97,7 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(attention="flash"), "unknown attention type 'flash'.*valid: gqa, linear, mamba, mha, mqa"),
+    (dict(attention="flash"), "unknown attention type 'flash'.*valid: gqa, linear, mamba, mamba2, mha, mqa"),
     (dict(position="t6"), "unknown position scheme 't6'.*valid: alibi, fire, kerple, learned, none, prope, rope, sinusoidal, t5, xpos"),
     (dict(attention="gqa", num_kv_heads=3), r"num_kv_heads=3 does not divide num_heads=4; valid: \[1, 2, 4\]"),
     (dict(d_model=30), "d_model=30 is not divisible by num_heads=4"),
@@ -116,6 +116,8 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(softmax=dict(block_size=0)), "model.softmax.block_size must be >= 1"),
     (dict(attention="linear", position="none", linear=dict(chunk_size=0)), "model.linear.chunk_size must be >= 1"),
     (dict(attention="mamba", position="none", mamba=dict(scan="fast")), "unknown model.mamba.scan 'fast'"),
+    (dict(attention="mamba2", position="none", mamba2=dict(head_dim=24)), r"model.mamba2.head_dim=24 does not divide the inner width expand \* d_model = 64; valid head_dim: \[1, 2, 4, 8, 16, 32, 64\]"),
+    (dict(attention="mamba2", position="none", mamba2=dict(chunk_size=0)), "model.mamba2.chunk_size must be >= 1"),
 ])
 def test_bad_model_config_fails_at_build_time(overrides, message):
   with pytest.raises(ValueError, match=message):
@@ -133,7 +135,7 @@ def test_registry_lists_required_names():
   assert {"mha", "mqa", "gqa", "linear", "mamba"} <= set(attention.REGISTRY)
 
 
-@pytest.mark.parametrize("name", ["gqa", "linear", "mamba"])
+@pytest.mark.parametrize("name", ["gqa", "linear", "mamba", "mamba2"])
 def test_bfloat16_compute_keeps_float32_parameters_and_logits(name):
   config = tiny_model_config(attention=name, position="none", compute_dtype="bfloat16")
   logits, model = _forward(config)

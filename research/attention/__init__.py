@@ -7,6 +7,7 @@ entry; so are the benchmarks, the variants table and the sweeps that enumerate i
 
 from research.attention.base import Mixer
 from research.attention.linear import LinearAttention
+from research.attention.mamba2 import Mamba2
 from research.attention.retention import Retention
 from research.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
 from research.attention.ssm import Mamba
@@ -18,4 +19,5 @@ REGISTRY.register("mqa", MQA, settings="softmax")
 REGISTRY.register("gqa", GQA, settings="softmax")
 REGISTRY.register("linear", LinearAttention)
 REGISTRY.register("mamba", Mamba)
+REGISTRY.register("mamba2", Mamba2)
 REGISTRY.register("retention", Retention)

@@ -62,16 +62,18 @@ class Mixer(nnx.Module):
     return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
 
 
-def head_projection(d_model, heads, head_dim, heads_axis, *, rngs, dtype):
+def head_projection(d_model, heads, head_dim, heads_axis, *, rngs, dtype,
+                    init=nnx.initializers.lecun_normal()):
   """x [B, L, D] -> [B, L, heads, H], the kernel's axes (embed, heads_axis, head_dim)."""
   return nn.dense("BLD,DNH->BLNH", (d_model, heads, head_dim), ("embed", heads_axis, "head_dim"),
-                  rngs=rngs, dtype=dtype)
+                  rngs=rngs, dtype=dtype, init=init)
 
 
-def output_projection(heads, head_dim, d_model, *, rngs, dtype):
+def output_projection(heads, head_dim, d_model, *, rngs, dtype,
+                      init=nnx.initializers.lecun_normal()):
   """[B, L, N, H] -> [B, L, D]."""
   return nn.dense("BLNH,NHD->BLD", (heads, head_dim, d_model), ("heads", "head_dim", "embed"),
-                  rngs=rngs, dtype=dtype)
+                  rngs=rngs, dtype=dtype, init=init)
 
 
 def new_positions(index, num_tokens):

@@ -2,7 +2,8 @@
 
 They materialise what the fast paths avoid: the [T, S] attention matrix, the
 [batch, length, heads, d, d] cumulative linear-attention state, the [batch, length, d_inner, N]
-SSM states. Written for clarity, in float32.
+SSM states; the recurrences (retention, Mamba-2) step one token at a time. Written for clarity,
+in float32.
 """
 
 import jax
@@ -76,3 +77,17 @@ def associative_selective_scan(x, delta, A, B, C, h0):
 
   _, h = jax.lax.associative_scan(combine, (decay, drive), axis=1)
   return jnp.einsum("blen,bln->ble", h, C), h[:, -1]
+
+
+def ssd_recurrence(x, dt, A, B, C, h0):
+  """Mamba-2 per head, one token at a time: h_t = exp(dt_t A) h_t-1 + dt_t x_t B_t^T,
+  y_t = h_t C_t; x [b, L, H, P], dt [b, L, H], A [H], B, C [b, L, N], h0 [b, H, P, N]."""
+
+  def step(h, inputs):
+    x_t, dt_t, B_t, C_t = inputs
+    h = (jnp.exp(dt_t * A)[:, :, None, None] * h
+         + jnp.einsum("bh,bhp,bn->bhpn", dt_t, x_t, B_t))
+    return h, jnp.einsum("bhpn,bn->bhp", h, C_t)
+
+  h, y = jax.lax.scan(step, h0, tuple(t.swapaxes(0, 1) for t in (x, dt, B, C)))
+  return y.swapaxes(0, 1), h

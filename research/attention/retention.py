@@ -1,21 +1,38 @@
-"""Retention, the token mixer of RetNet (Sun et al., arXiv:2307.08621, eqs. 5-8).
+"""Multi-scale retention, the token mixer of RetNet (Sun et al., arXiv:2307.08621, eqs. 5-8).
 
-  parallel:    Retention(X) = (Q K^T / sqrt(d) * D) V,  D[n, m] = gamma^(n - m) for n >= m, else 0
-  recurrent:   S_n = gamma S_{n-1} + k_n^T v_n,  o_n = q_n S_n / sqrt(d)
+Per head h, with q = X W_Q, k = X W_K / sqrt(d), v = X W_V (d the head dim) and the position
+scheme's query/key hooks on q and k (RetNet rotates them as RoPE does: `rope` or `xpos` here):
+  parallel:    Retention(X) = (Q K^T * D) V,  D[n, m] = gamma^(n - m) for n >= m, else 0
+  recurrent:   S_n = gamma S_{n-1} + k_n^T v_n,  o_n = q_n S_n
   chunkwise:   (eq. 7) inside a chunk of C tokens the parallel form, across chunks the state:
                o_n = (q_n k_m^T gamma^(n-m))_{m<=n in chunk} v + gamma^(n+1) q_n S_prev,
                S = gamma^C S_prev + sum_m gamma^(C-1-m) k_m^T v_m     (n, m within the chunk)
-with one decay per head, gamma_h = 1 - 2^(-5 - h) (multi-scale retention). Training, evaluation
-and decoding (any number of new tokens: prefill is one pass) all run the chunkwise form from a
-state, so memory grows as [length, C] and never [length, length]; packed documents restart the
-state at each segment start. The paper's GroupNorm and swish gate are left out: this is the mixer
-alone, like the other entries of the registry. It is also the worked example of adding a variant
-(the mixer example in docs/architecture.md).
+  MSR(X) = (swish(X W_G) * GroupNorm(o_1, ..., o_N)) W_O                        (eq. 8)
+with one decay per head, gamma_h = 1 - 2^(-5 - h), and GroupNorm one group per head: each head's
+output is normalised on its own, as the authors' code (microsoft/torchscale, MultiScaleRetention)
+does it, by an RMSNorm over the head dim without affine parameters, eps 1e-6 (their first
+release used LayerNorm per head). The normalisation is what keeps a slow-decay head bounded: its
+o_n sums up to 1 / (1 - gamma) terms (2^(5 + h)) and grows with the context, the normalised
+output does not. Initialisation as theirs: W_Q, W_K, W_V, W_G Xavier-uniform with gain
+2^-2.5, W_O Xavier-uniform, no biases.
+
+Deviations from torchscale, none of which changes the output beyond the norm's eps: their
+parallel and chunkwise forms divide D's rows by sqrt(sum_m D[n, m]) and the scores by
+max(|sum_m (Q K^T * D)[n, m]|, 1) (their recurrent form keeps a matching running scale), all
+positive per (token, head) factors that the per-head norm removes (paper, section 2.2); here the
+retention is computed unscaled in float32. W_V and W_G are d_model x d_model as in eq. 8 (their
+configurations widen them, e.g. 768 -> 1280, and narrow the FFN instead).
+
+Training, evaluation and decoding (any number of new tokens: prefill is one pass) all run the
+chunkwise form from a state, so memory grows as [length, C] and never [length, length]; packed
+documents restart the state at each segment start. This file is also the worked example of
+adding a variant (the mixer example in docs/architecture.md).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from research import nn
 from research.attention import base
@@ -42,7 +59,7 @@ def _chunk(log_gamma_N, carry, chunk):
 
 
 def chunked_retention(q, k, v, gamma_N, state, *, chunk_size=64, segments=None):
-  """Retention of q (already scaled by 1/sqrt(d)), k, v [B, L, N, H] from `state` [B, N, H, H]
+  """Retention of q, k (scaled by the caller), v [B, L, N, H] from `state` [B, N, H, H]
   in chunks of chunk_size; segments [B, L] restart the state at each segment start (the state
   passed in belongs to the first token's segment). Returns (outputs [B, L, N, H], final state)."""
   b, length, n, h = q.shape
@@ -66,6 +83,19 @@ def chunked_retention(q, k, v, gamma_N, state, *, chunk_size=64, segments=None):
   return out.swapaxes(0, 1).reshape(b, padded, n, h)[:, :length], state
 
 
+NORM_EPSILON = 1e-6  # torchscale's layernorm_eps for RetNet
+
+
+def head_rms_norm(y_BxLxNxH, eps=NORM_EPSILON):
+  """Each head's output over its head dim to unit root mean square, no affine parameters."""
+  return y_BxLxNxH * jax.lax.rsqrt(jnp.mean(jnp.square(y_BxLxNxH), -1, keepdims=True) + eps)
+
+
+def _xavier_uniform(gain, in_axis, out_axis):
+  return nnx.initializers.variance_scaling(gain ** 2, "fan_avg", "uniform", in_axis=in_axis,
+                                           out_axis=out_axis)
+
+
 class Retention(base.Mixer):
   hyperparameters = {"chunk_size": 64}
   position_hooks = frozenset({QK})
@@ -82,17 +112,22 @@ class Retention(base.Mixer):
     self.chunk_size = int(settings.chunk_size)
     # A tuple, not an array: a constant of the architecture, not part of the module's state.
     self.gamma = tuple(float(g) for g in 1.0 - 2.0 ** (-5.0 - np.arange(n)))
-    dtype = nn.compute_dtype(model_config)
-    self.query, self.key, self.value = (
-        base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype) for _ in range(3))
-    self.out = base.output_projection(n, h, d, rngs=rngs, dtype=dtype)
+    self.dtype = dtype = nn.compute_dtype(model_config)
+    init = _xavier_uniform(2 ** -2.5, in_axis=0, out_axis=(1, 2))
+    self.query, self.key, self.value, self.gate = (
+        base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype, init=init)
+        for _ in range(4))
+    self.out = base.output_projection(n, h, d, rngs=rngs, dtype=dtype,
+                                      init=_xavier_uniform(1.0, in_axis=(0, 1), out_axis=2))
 
   def _mix(self, x_BxTxD, state, positions_BxT, segments_BxT=None):
     q, k, v = (f(x_BxTxD).astype(jnp.float32) for f in (self.query, self.key, self.value))
-    q, k = self.position.queries(q, positions_BxT), self.position.keys(k, positions_BxT)
-    y, state = chunked_retention(q / np.sqrt(self.head_dim), k, v, self.gamma, state,
-                                 chunk_size=self.chunk_size, segments=segments_BxT)
-    return self.out(y.astype(x_BxTxD.dtype)), state
+    q = self.position.queries(q, positions_BxT)
+    k = self.position.keys(k / np.sqrt(self.head_dim), positions_BxT)
+    y_BxTxNxH, state = chunked_retention(q, k, v, self.gamma, state, chunk_size=self.chunk_size,
+                                         segments=segments_BxT)
+    gated = jax.nn.silu(self.gate(x_BxTxD)) * head_rms_norm(y_BxTxNxH).astype(self.dtype)
+    return self.out(gated), state
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     # The decay counts tokens, not positions (which may be randomized or restart per document).
@@ -109,6 +144,7 @@ class Retention(base.Mixer):
 
   def mixing_flops_per_token(self, context_length):
     # Within a chunk: q k^T and scores @ v (2 FLOPs per multiply-add) over (C + 1) / 2 keys on
-    # average, plus the decay; across chunks: q S and the state update.
+    # average, plus the decay; across chunks: q S and the state update; the per-head norm
+    # (square, sum, scale) and the swish gate (about 5 per element).
     n, h, c = self.num_heads, self.head_dim, min(self.chunk_size, context_length)
-    return 2 * 2 * n * h * (c + 1) / 2 + n * (c + 1) / 2 + 2 * 2 * n * h * h
+    return 2 * 2 * n * h * (c + 1) / 2 + n * (c + 1) / 2 + 2 * 2 * n * h * h + 8 * n * h

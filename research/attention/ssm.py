@@ -95,7 +95,24 @@ def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associ
   return y.swapaxes(0, 1).reshape(b, padded, -1)[:, :length], h
 
 
-def _dt_bias_init(key, shape, dtype=jnp.float32):
+def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F, segments_BxT=None):
+  """Causal depthwise convolution of x after the cached window of the previous width - 1 inputs
+  (which belong to the first token's segment); inputs of other segments count as 0. Returns the
+  output and the window for the next call (the last width - 1 inputs)."""
+  full = jnp.concatenate([window_BxWxF.astype(x_BxTxF.dtype), x_BxTxF], axis=1)
+  kernel = kernel_WxF.astype(x_BxTxF.dtype)
+  t, w = x_BxTxF.shape[1], kernel_WxF.shape[0]
+  if segments_BxT is None:
+    taps = [full[:, i:i + t] for i in range(w)]
+  else:
+    segments = jnp.pad(segments_BxT, [(0, 0), (w - 1, 0)], mode="edge")
+    taps = [full[:, i:i + t] * (segments[:, i:i + t] == segments_BxT)[..., None]
+            for i in range(w)]
+  y = sum(tap * kernel[i] for i, tap in enumerate(taps))
+  return y + bias_F.astype(y.dtype), full[:, t:]
+
+
+def dt_bias_init(key, shape, dtype=jnp.float32):
   """softplus^-1(dt0), dt0 ~ logU[DT_MIN, DT_MAX] floored at DT_FLOOR (paper, section 3.6)."""
   u = jax.random.uniform(key, shape, jnp.float32)
   dt = jnp.maximum(jnp.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)), DT_FLOOR)
@@ -141,7 +158,7 @@ class Mamba(base.Mixer):
                            dtype=dtype)
     self.dt_proj = nn.dense(
         "BLR,RE->BLE", (r, e), ("ssm_proj", "mlp"), bias_shape=(e,), bias_axes=("mlp",),
-        rngs=rngs, dtype=dtype, bias_init=_dt_bias_init,
+        rngs=rngs, dtype=dtype, bias_init=dt_bias_init,
         init=lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -r ** -0.5, r ** -0.5))
     # A = -exp(A_log) and the skip D are decay rates and gains, not weights: no weight decay.
     self.A_log = nn.param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))),
@@ -149,24 +166,10 @@ class Mamba(base.Mixer):
     self.D = nn.param(jnp.ones((e,)), ("mlp",), weight_decay=False)
     self.out_proj = nn.dense("BLE,ED->BLD", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
 
-  def _conv(self, x_BxTxE, window_BxWxE, segments_BxT=None):
-    """Causal depthwise conv of x after the cached window of the previous width - 1 inputs
-    (which belong to the first token's segment); inputs of other segments count as 0."""
-    full = jnp.concatenate([window_BxWxE.astype(x_BxTxE.dtype), x_BxTxE], axis=1)
-    kernel = self.conv_kernel[...].astype(x_BxTxE.dtype)
-    t, w = x_BxTxE.shape[1], self.conv_width
-    if segments_BxT is None:
-      taps = [full[:, i:i + t] for i in range(w)]
-    else:
-      segments = jnp.pad(segments_BxT, [(0, 0), (w - 1, 0)], mode="edge")
-      taps = [full[:, i:i + t] * (segments[:, i:i + t] == segments_BxT)[..., None]
-              for i in range(w)]
-    y = sum(tap * kernel[i] for i, tap in enumerate(taps))
-    return y + self.conv_bias[...].astype(y.dtype), full[:, t:]
-
   def _mix(self, u_BxTxD, cache, segments_BxT=None):
     x, z = jnp.split(self.in_proj(u_BxTxD), 2, axis=-1)
-    x, window = self._conv(x, cache["conv"], segments_BxT)
+    x, window = causal_depthwise_conv(x, cache["conv"], self.conv_kernel[...],
+                                      self.conv_bias[...], segments_BxT)
     x = jax.nn.silu(x)
     dt, B, C = jnp.split(self.x_proj(x), [self.dt_rank, self.dt_rank + self.state_size], axis=-1)
     delta = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))
