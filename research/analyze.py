@@ -127,7 +127,7 @@ class Checkpoints:
       graphdef = self.graphdef
 
       def mean_loss(mask, state, batch):
-        model = nnx.merge(graphdef, state)
+        model = nnx.merge(graphdef, state, copy=True)  # its own Variables, which the mask sets
         heads.mask_heads(model, mask)
         logits = evaluate.apply(model, batch)
         weights = batch["loss_mask"]

@@ -109,6 +109,7 @@ def scores_over_training(rows: list[dict], title: str) -> matplotlib.figure.Figu
               color=colormaps[layers.index(layer) % len(colormaps)](shade),
               label=f"layer {layer} head {head}")
     ax.set_xscale("log")
+    plots._plain_log_ticks(ax.xaxis)  # noqa: SLF001
     ax.set_xlabel("training step")
     ax.set_ylabel({"induction": "induction score", "previous_token": "previous-token score",
                    "icl_score": "ICL score (late - early loss)"}[measure])
@@ -161,6 +162,7 @@ def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
     for run, (steps, values) in _series(source, measure, lambda r: r["run"]).items():
       ax.plot(steps, values, marker="o", markersize=3, label=run)
     ax.set_xscale("log")
+    plots._plain_log_ticks(ax.xaxis)  # noqa: SLF001
     ax.set_xlabel("training step")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3, which="both")
@@ -184,6 +186,7 @@ def pruning(rows: list[dict], importance_LxN: np.ndarray, metric: str,
             linestyle=style, label=f"{order} order")
   if metric == "perplexity":
     ax.set_yscale("log")
+    plots._plain_log_ticks(ax.yaxis)  # noqa: SLF001 (one formatter for every figure)
   ax.set_xlabel("fraction of heads removed")
   ax.set_ylabel(metric)
   ax.grid(alpha=0.3, which="both")
@@ -210,6 +213,7 @@ def pruning_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
               label=f"{run} ({order})")
   if metric == "perplexity":
     ax.set_yscale("log")
+    plots._plain_log_ticks(ax.yaxis)  # noqa: SLF001 (one formatter for every figure)
   ax.set_xlabel("fraction of heads removed")
   ax.set_ylabel(metric)
   ax.grid(alpha=0.3, which="both")

@@ -48,8 +48,8 @@ def test_attention_weights_reproduce_the_mixers_output_with_window_sinks_and_doc
   np.testing.assert_allclose(mixer.out(jnp.einsum("bnts,bsnh->btnh", weights, values)),
                              mixer(x, positions_1xL, segments), atol=1e-5)
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
-  assert float(weights[0, :, 6, 0]) == 0.0  # another document's sink
-  assert float(jnp.abs(weights[0, :, 11, 6:8]).max()) == 0.0  # outside the window of 4
+  assert float(weights[0, :, 6, 0].max()) == 0.0  # another document's sink
+  assert float(weights[0, :, 11, 6:8].max()) == 0.0  # outside the window of 4
   assert float(weights[0, :, 11, 5].min()) > 0.0  # this document's sink
 
 
