@@ -73,6 +73,10 @@ def get_config():
   t.eval_batches = 4
   t.checkpoint_every = 100
   t.keep_checkpoints = 2
+  # Steps whose checkpoints are never rotated out (saved even off checkpoint_every), e.g.
+  # log-spaced to watch heads form over training (python -m experiments.analyze
+  # --analysis=induction reads every kept checkpoint).
+  t.keep_checkpoints_at = ()
   t.tensorboard = False
 
   config.mesh = ml_collections.ConfigDict()

@@ -9,6 +9,10 @@ itself would wait out its 5-minute timeout for a step directory it cannot create
 of an earlier asynchronous save is reported the same way. Either way the last complete
 checkpoint is left as it was.
 
+Kept: the latest `keep` checkpoints, and those of the steps `keep_at` whatever their age
+(train.keep_checkpoints and train.keep_checkpoints_at: checkpoints over training, for
+research.analyze).
+
 Restoring walks back from the latest step to the newest checkpoint that restores. Unreadable
 ones newer than it (a truncated or damaged file) are moved to DIR/checkpoints_unreadable/, kept
 for inspection, and one line says which steps were unreadable and which one is used. If none
@@ -19,7 +23,7 @@ CheckpointError says so.
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import orbax.checkpoint as ocp
@@ -46,11 +50,15 @@ def steps(workdir: str) -> list[int]:
   return sorted(ocp.utils.checkpoint_steps(directory(workdir)))
 
 
-def manager(workdir: str, keep: int) -> ocp.CheckpointManager:
-  """The manager of `workdir`'s checkpoints, keeping the latest `keep`, saving asynchronously."""
+def manager(workdir: str, keep: int, keep_at: Sequence[int] = ()) -> ocp.CheckpointManager:
+  """The manager of `workdir`'s checkpoints, keeping the latest `keep` and those of the steps
+  `keep_at` (never deleted), saving asynchronously."""
+  policies = ocp.checkpoint_managers
   return ocp.CheckpointManager(
       directory(workdir), options=ocp.CheckpointManagerOptions(
-          max_to_keep=keep, enable_async_checkpointing=True))
+          preservation_policy=policies.AnyPreservationPolicy(
+              [policies.LatestN(n=keep), policies.CustomSteps(list(keep_at))]),
+          enable_async_checkpointing=True))
 
 
 def _one_line(error: BaseException) -> str:
@@ -152,16 +160,23 @@ def restore_latest(checkpoint_manager: ocp.CheckpointManager, abstract_state: An
   return None if found is None else found[1]
 
 
-def restore_params(workdir: str, abstract_params: Any,
-                   log: Callable[[str], None] = print) -> tuple[int, Any]:
-  """(step, parameters) of the newest readable checkpoint in `workdir`: the `params` entry of the
-  train state alone, laid out as `abstract_params`. FileNotFoundError if there is none."""
-  if not steps(workdir):
+def restore_params(workdir: str, abstract_params: Any, log: Callable[[str], None] = print,
+                   step: int | None = None) -> tuple[int, Any]:
+  """(step, parameters) of the newest readable checkpoint in `workdir`, or of checkpoint `step`:
+  the `params` entry of the train state alone, laid out as `abstract_params`.
+  FileNotFoundError if there is none (or no checkpoint `step`)."""
+  saved = steps(workdir)
+  if not saved:
     raise FileNotFoundError(f"no checkpoint in {directory(workdir)}; train the run first "
                             "(python -m experiments.train with this --workdir)")
+  if step is not None and step not in saved:
+    raise FileNotFoundError(f"no checkpoint of step {step} in {directory(workdir)}; its steps: "
+                            f"{', '.join(map(str, saved))}")
   item = {"params": abstract_params}
   args = ocp.args.PyTreeRestore(
       item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)
   with ocp.CheckpointManager(directory(workdir),
                              options=ocp.CheckpointManagerOptions(create=False)) as reader:
-    return _restore_newest(reader, lambda step: reader.restore(step, args=args)["params"], log)
+    if step is not None:
+      return step, reader.restore(step, args=args)["params"]
+    return _restore_newest(reader, lambda s: reader.restore(s, args=args)["params"], log)

@@ -59,6 +59,11 @@ def validate_config(config, num_devices, process_count=1):
     raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
                      f"{needed} tokens of data.name={config.data.name!r}; use >= {needed}")
   t = config.train
+  outside = [s for s in t.keep_checkpoints_at
+             if not (isinstance(s, int) and 1 <= s <= t.num_steps)]
+  if outside:
+    raise ValueError(f"train.keep_checkpoints_at has steps {outside} outside 1..train.num_steps="
+                     f"{t.num_steps}; give integer steps in that range, or () for none")
   if not 0 <= t.warmup_steps < t.num_steps:
     raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, num_steps="
                      f"{t.num_steps}); the cosine decay needs at least one step after warmup")

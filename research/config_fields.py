@@ -27,6 +27,7 @@ ROTARY_SCALING_FIELDS = tuple(
     for field in ("scaling", "scaling_factor", "original_length"))
 EVALUATION_FIELDS = ("eval",) + ROTARY_SCALING_FIELDS
 EXECUTION_FIELDS = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
+                    "train.keep_checkpoints_at",
                     "train.eval_every", "train.eval_batches", "train.tensorboard", "mesh",
                     "distributed", "data.dir")
 

@@ -130,12 +130,13 @@ def abstract_model(config):
   return nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
 
 
-def restore(config, workdir, log=print):
-  """(checkpoint step, model) of the newest readable checkpoint, on one device."""
+def restore(config, workdir, log=print, step=None):
+  """(checkpoint step, model) of the newest readable checkpoint (or of checkpoint `step`), on one
+  device."""
   mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
   graphdef, abstract_state = nnx.split(abstract_model(config))
   step, state = checkpoints.restore_params(
-      workdir, sharding.sharded_abstract(abstract_state, mesh), log=log)
+      workdir, sharding.sharded_abstract(abstract_state, mesh), log=log, step=step)
   return step, nnx.merge(graphdef, state)
 
 

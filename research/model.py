@@ -189,14 +189,32 @@ class LanguageModel(nnx.Module):
   def __call__(self, tokens_BxL, positions_BxL=None, segments_BxL=None):
     """Logits [batch, length, vocab]. positions default to 0..length-1, or with segment ids
     (packed documents) to 0.. from each document's start."""
-    masks.check_segments(segments_BxL)
-    if positions_BxL is None:
-      positions_BxL = (jnp.arange(tokens_BxL.shape[1])[None] if segments_BxL is None
-                       else masks.positions_in_documents(segments_BxL))
+    positions_BxL = self._positions(tokens_BxL, positions_BxL, segments_BxL)
     x = self._embed(tokens_BxL, positions_BxL)
     for block in self.blocks:
       x = block(x, positions_BxL, segments_BxL)
     return self._logits(x)
+
+  @staticmethod
+  def _positions(tokens_BxL, positions_BxL, segments_BxL):
+    masks.check_segments(segments_BxL)
+    if positions_BxL is not None:
+      return positions_BxL
+    return (jnp.arange(tokens_BxL.shape[1])[None] if segments_BxL is None
+            else masks.positions_in_documents(segments_BxL))
+
+  def attention_weights(self, tokens_BxL, positions_BxL=None, segments_BxL=None):
+    """Per layer, the attention probabilities [B, N, L, L] of the forward pass of `__call__`
+    (float32; a mixer's `attention_weights`), or None for a layer whose mixer has none."""
+    positions_BxL = self._positions(tokens_BxL, positions_BxL, segments_BxL)
+    x = self._embed(tokens_BxL, positions_BxL)
+    weights = []
+    for block in self.blocks:
+      inspect = getattr(block.mixer, "attention_weights", None)
+      weights.append(None if inspect is None
+                     else inspect(block.mixer_norm(x), positions_BxL, segments_BxL))
+      x = block(x, positions_BxL, segments_BxL)
+    return weights
 
   def init_cache(self, batch_size, max_length):
     return {"index": jnp.zeros((), jnp.int32),

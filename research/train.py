@@ -161,7 +161,7 @@ def _train(config, workdir, mesh, is_writer):
   eval_step = evaluate.make_eval_step(graphdef)
 
   # ---- 4. Checkpoints: restore the newest readable one, or initialise.
-  manager = checkpoints.manager(workdir, t.keep_checkpoints)
+  manager = checkpoints.manager(workdir, t.keep_checkpoints, t.keep_checkpoints_at)
   with jax.set_mesh(mesh):
     state = checkpoints.restore_latest(manager,
                                        sharding.sharded_abstract(jax.eval_shape(init_state), mesh),
@@ -212,7 +212,7 @@ def _train(config, workdir, mesh, is_writer):
         window_start = time.perf_counter()
       else:
         window_steps += 1
-      if done % t.checkpoint_every == 0 or done == t.num_steps:
+      if done % t.checkpoint_every == 0 or done == t.num_steps or done in t.keep_checkpoints_at:
         check_finite()
         checkpoints.save(manager, done, state)
       if done % t.log_every == 0 or done == t.num_steps:

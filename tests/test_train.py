@@ -162,6 +162,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_checkpoints_finite(tmp_path):
     (dict(train=dict(eval_batches=0)), "train.eval_batches=0 must be >= 1"),
     (dict(eval=dict(sliding_stride=-1)), "eval.sliding_stride=-1 must be >= 0"),
     (dict(eval=dict(num_tokens=0)), "eval.num_tokens=0 must be >= 1"),
+    (dict(train=dict(keep_checkpoints_at=(0, 4, 9))),
+     r"train.keep_checkpoints_at has steps \[0, 9\] outside 1..train.num_steps=8"),
 ])
 def test_bad_configs_fail_before_training_and_write_nothing(overrides, message, tmp_path):
   config = tiny_config.get_config()
@@ -171,6 +173,13 @@ def test_bad_configs_fail_before_training_and_write_nothing(overrides, message, 
   with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(config, workdir)
   assert not os.path.exists(workdir)
+
+
+def test_checkpoints_at_keep_checkpoints_at_are_kept_while_others_rotate(tmp_path):
+  config = tiny_config.get_config()
+  config.train.update(dict(checkpoint_every=2, keep_checkpoints=1, keep_checkpoints_at=(1, 3)))
+  train.train_and_evaluate(config, str(tmp_path))
+  assert checkpoints.steps(str(tmp_path)) == [1, 3, 8]  # 2, 4 and 6 rotated out
 
 
 def test_unwritable_workdir_fails_before_training(tmp_path):

@@ -125,6 +125,25 @@ class SoftmaxAttention(base.Mixer):
     q, k, v = self._project(x_BxLxD, positions_BxL)
     return self.out(self._attend(q, k, v, positions_BxL, segments_BxL))
 
+  def attention_weights(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    """The attention probabilities of `__call__`, float32 [B, N, L (query), L (key)], for
+    inspection (research.heads): the xla path's logits (m q k^T / sqrt(d) + bias), mask
+    (causal, window and sinks, segments) and float32 softmax, materialised."""
+    q, k, _ = self._project(x_BxLxD, positions_BxL)
+    k = jnp.repeat(k, self.num_heads // self.num_kv_heads, axis=2)  # kv head of query n: n // G
+    logits_BxNxLxL = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
+    logits_BxNxLxL = logits_BxNxLxL * self._scale()
+    bias = self.position.bias(positions_BxL, positions_BxL)
+    if bias is not None:
+      logits_BxNxLxL = logits_BxNxLxL + bias.astype(q.dtype)
+    index = jnp.arange(q.shape[1])
+    document_index = (None if segments_BxL is None or not self.sinks
+                      else masks.positions_in_documents(segments_BxL))
+    mask = masks.allowed(index, index, self.window, self.sinks, segments_BxL, segments_BxL,
+                         document_index)
+    logits_BxNxLxL = jnp.where(mask, logits_BxNxLxL, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits_BxNxLxL.astype(jnp.float32), axis=-1)
+
   def cache_length(self, max_length):
     """Slots of the decode cache: every token, or with a window the sinks and the window."""
     return self.sinks + self.window if self.window else max_length

@@ -1,0 +1,221 @@
+"""Figures of research.analyze, from the measures of research.heads:
+
+  attention_grid        a panel per layer x head: the attention probabilities (query rows, key
+                        columns), square-root colour scale so that small weights show
+  distance_mass         a panel per layer: the attention mass in each log-spaced distance bucket,
+                        a line per head, solid at the training length, dashed at longer lengths
+  scores_over_training  induction and previous-token scores of every head and the ICL score
+                        against the checkpoint step (log axis): Olsson et al.'s phase change
+  mean_distance_by_run  a sweep: every head's mean attention distance per run and length
+  scores_by_run         a sweep: the largest induction score and the ICL score against step, a
+                        line per run
+  pruning               the metric against the fraction of heads removed (by importance, in
+                        random order), beside the heads' importances
+  pruning_by_run        a sweep: the same, a colour per run
+"""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib import colors as mcolors  # noqa: E402
+
+from research import plots  # noqa: E402
+
+save = plots.save
+
+
+def attention_grid(weights: dict, labels: list[str] | None, title: str) -> matplotlib.figure.Figure:
+  """weights: {layer: [N, L, L]}; labels: the tokens as characters (ticks when short), or None."""
+  layers = sorted(weights)
+  num_heads = weights[layers[0]].shape[0]
+  fig, axes = plt.subplots(len(layers), num_heads, figsize=(2.6 * num_heads, 2.6 * len(layers)),
+                           squeeze=False, layout="constrained")
+  norm = mcolors.PowerNorm(0.5, vmin=0.0, vmax=1.0)
+  for row, layer in zip(axes, layers):
+    for h, ax in enumerate(row):
+      image = ax.imshow(weights[layer][h], cmap="viridis", norm=norm, interpolation="nearest")
+      ax.set_title(f"layer {layer} head {h}", fontsize=8)
+      if labels is not None and len(labels) <= 40:
+        ax.set_xticks(range(len(labels)), labels, fontsize=5)
+        ax.set_yticks(range(len(labels)), labels, fontsize=5)
+      else:
+        ax.tick_params(labelsize=6)
+  fig.colorbar(image, ax=axes, shrink=0.6, label="attention probability")
+  fig.suptitle(f"{title}: query (rows) attends to key (columns)", fontsize=9)
+  return fig
+
+
+def _bucket_label(low: int, high: int) -> str:
+  return str(low) if low == high else f"{low}-{high}"
+
+
+def distance_mass(masses: dict, buckets: list[tuple[int, int]], train_length: int,
+                  title: str) -> matplotlib.figure.Figure:
+  """masses: {(length factor, layer): [N, buckets of that length]}; buckets: those of the
+  longest length."""
+  layers = sorted({layer for _, layer in masses})
+  factors = sorted({factor for factor, _ in masses})
+  fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 4), squeeze=False,
+                           layout="constrained")
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  styles = ["-", "--", ":", "-."]
+  for ax, layer in zip(axes[0], layers):
+    for k, factor in enumerate(factors):
+      for h, mass in enumerate(masses[factor, layer]):
+        ax.plot(range(len(mass)), mass, marker="o", markersize=3, color=cycle[h % len(cycle)],
+                linestyle=styles[k % len(styles)],
+                label=f"head {h}, {factor}x ({factor * train_length})")
+    ax.set_xticks(range(len(buckets)), [_bucket_label(*b) for b in buckets], rotation=60,
+                  fontsize=7)
+    ax.set_xlabel("distance i - j (tokens)")
+    ax.set_ylabel("mean attention mass")
+    ax.set_title(f"layer {layer}", fontsize=9)
+    ax.grid(alpha=0.3)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=7,
+             frameon=False)
+  fig.suptitle(f"{title}: how far each head looks", fontsize=9)
+  return fig
+
+
+def _series(rows, measure, key):
+  """{key(row): (steps, values)} of the rows of `measure`, sorted by step."""
+  series = {}
+  for row in sorted((r for r in rows if r["measure"] == measure), key=lambda r: r["step"]):
+    steps, values = series.setdefault(key(row), ([], []))
+    steps.append(row["step"])
+    values.append(row["value"])
+  return series
+
+
+def scores_over_training(rows: list[dict], title: str) -> matplotlib.figure.Figure:
+  measures = [m for m in ("induction", "previous_token", "icl_score")
+              if any(r["measure"] == m for r in rows)]
+  fig, axes = plt.subplots(1, len(measures), figsize=(5 * len(measures), 4), squeeze=False,
+                           layout="constrained")
+  colormaps = [plt.cm.Blues, plt.cm.Oranges, plt.cm.Greens, plt.cm.Purples, plt.cm.Reds]
+  for ax, measure in zip(axes[0], measures):
+    series = _series(rows, measure, lambda r: (r["layer"], r["head"]))
+    layers = sorted({layer for layer, _ in series if layer != ""})
+    for (layer, head), (steps, values) in sorted(series.items(), key=str):
+      if layer == "":
+        ax.plot(steps, values, marker="o", color="black")
+        continue
+      heads_of_layer = sorted(h for l, h in series if l == layer)
+      shade = 0.45 + 0.5 * heads_of_layer.index(head) / max(1, len(heads_of_layer) - 1)
+      ax.plot(steps, values, marker="o", markersize=3,
+              color=colormaps[layers.index(layer) % len(colormaps)](shade),
+              label=f"layer {layer} head {head}")
+    ax.set_xscale("log")
+    plots._plain_log_ticks(ax.xaxis)  # noqa: SLF001
+    ax.set_xlabel("training step")
+    ax.set_ylabel({"induction": "induction score", "previous_token": "previous-token score",
+                   "icl_score": "ICL score (late - early loss)"}[measure])
+    ax.grid(alpha=0.3, which="both")
+  if "induction" in measures:
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=7,
+               frameon=False)
+  fig.suptitle(f"{title}: heads over training", fontsize=9)
+  return fig
+
+
+def mean_distance_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
+  rows = [r for r in rows if r["measure"] == "mean_distance"]
+  runs = list(dict.fromkeys(r["run"] for r in rows))
+  lengths = sorted({r["eval_length"] for r in rows})
+  fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(runs) * len(lengths)), 4.5),
+                         layout="constrained")
+  width = 0.8 / len(lengths)
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for k, length in enumerate(lengths):
+    for x, run in enumerate(runs):
+      values = [r["value"] for r in rows if r["run"] == run and r["eval_length"] == length]
+      if not values:
+        continue
+      position = x - 0.4 + width * (k + 0.5)
+      ax.bar(position, np.mean(values), width, color=cycle[k % len(cycle)], alpha=0.5,
+             label=f"{length} tokens" if x == 0 else None)
+      ax.scatter([position] * len(values), values, color=cycle[k % len(cycle)], s=8)
+  ax.set_xticks(range(len(runs)), runs, rotation=30, ha="right", fontsize=8)
+  ax.set_ylabel("mean attention distance (tokens)")
+  ax.set_yscale("log")
+  ax.grid(alpha=0.3, axis="y")
+  ax.legend(fontsize=8)
+  return fig
+
+
+def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4), squeeze=False, layout="constrained")
+  best = {}
+  for r in rows:
+    if r["measure"] == "induction":
+      key = (r["run"], r["step"])
+      best[key] = max(best.get(key, -1.0), r["value"])
+  best_rows = [{"run": run, "step": step, "measure": "best", "value": v}
+               for (run, step), v in best.items()]
+  for ax, (measure, source, label) in zip(axes[0], (
+      ("best", best_rows, "largest induction score of any head"),
+      ("icl_score", rows, "ICL score (late - early loss)"))):
+    for run, (steps, values) in _series(source, measure, lambda r: r["run"]).items():
+      ax.plot(steps, values, marker="o", markersize=3, label=run)
+    ax.set_xscale("log")
+    plots._plain_log_ticks(ax.xaxis)  # noqa: SLF001
+    ax.set_xlabel("training step")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3, which="both")
+  handles = {}
+  for ax in axes[0]:
+    handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+  fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+             ncol=min(4, len(handles)), fontsize=7, frameon=False)
+  return fig
+
+
+def pruning(rows: list[dict], importance_LxN: np.ndarray, metric: str,
+            title: str) -> matplotlib.figure.Figure:
+  """The metric against the fraction of heads removed (by importance, in random order), and the
+  full model's normalised head importances."""
+  fig, (ax, heat) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained",
+                                 gridspec_kw={"width_ratios": [3, 2]})
+  for order, style in (("importance", "-"), ("random", "--")):
+    mine = [r for r in rows if r.get("order") == order]
+    ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
+            linestyle=style, label=f"{order} order")
+  if metric == "perplexity":
+    ax.set_yscale("log")
+    plots._plain_log_ticks(ax.yaxis)  # noqa: SLF001 (one formatter for every figure)
+  ax.set_xlabel("fraction of heads removed")
+  ax.set_ylabel(metric)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=8)
+  image = heat.imshow(importance_LxN, cmap="magma", aspect="auto")
+  heat.set_xlabel("head")
+  heat.set_ylabel("layer")
+  heat.set_title("importance (normalised per layer)", fontsize=9)
+  fig.colorbar(image, ax=heat)
+  fig.suptitle(f"{title}: head pruning (arXiv:1905.10650)", fontsize=9)
+  return fig
+
+
+def pruning_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
+  metric = "perplexity" if any(np.isfinite(r["perplexity"]) and r["perplexity"] > 1.0
+                               for r in rows) else "accuracy"
+  fig, ax = plt.subplots(figsize=(6, 4.5), layout="constrained")
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for k, run in enumerate(dict.fromkeys(r["run"] for r in rows)):
+    for order, style in (("importance", "-"), ("random", "--")):
+      mine = [r for r in rows if r["run"] == run and r["order"] == order]
+      ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
+              markersize=3, linestyle=style, color=cycle[k % len(cycle)],
+              label=f"{run} ({order})")
+  if metric == "perplexity":
+    ax.set_yscale("log")
+    plots._plain_log_ticks(ax.yaxis)  # noqa: SLF001 (one formatter for every figure)
+  ax.set_xlabel("fraction of heads removed")
+  ax.set_ylabel(metric)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=7)
+  return fig
