@@ -16,3 +16,13 @@ def every_mixer(preferred_position: str = "rope") -> list[tuple[str, str]]:
   return [(name, preferred_position
            if preferred_position in model_lib.compatible_positions(cls) else "none")
           for name, cls in sorted(attention.REGISTRY.items())]
+
+
+def every_mixer_family(preferred_position: str = "rope") -> list[tuple[str, str]]:
+  """every_mixer() with one entry per set of hyperparameters (the first registered of those that
+  share one, e.g. mha for mha / mqa / gqa, which differ only in their key/value heads)."""
+  first = {}
+  for name in attention.REGISTRY:
+    first.setdefault(attention.REGISTRY.settings_key(name), name)
+  keep = set(first.values())
+  return [(name, position) for name, position in every_mixer(preferred_position) if name in keep]
