@@ -30,7 +30,8 @@ SEGMENTS = np.array([[0] * 6 + [1] * 9 + [2] * 4, [0] * 3 + [1] * 16, [0] * 19,
 # Softmax attention with a sliding window of 5 keys (and 2 sinks): whole tiles of 8 are skipped,
 # and the rolling decode cache of sinks + window slots wraps around.
 WINDOWED = [("mha", "rope", "xla", (5, 2)), ("mha", "alibi", "blockwise", (5, 2)),
-            ("gqa", "t5", "blockwise", (5, 0)), ("mqa", "none", "xla", (5, 0))]
+            ("gqa", "t5", "blockwise", (5, 0)), ("mqa", "none", "xla", (5, 0)),
+            ("fox", "none", "blockwise", (5, 2))]
 
 
 def _family(mixer_cls):

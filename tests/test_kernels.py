@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from research import attention, positions
+from research.attention import fox
 from research.attention import masks, reference
 from research.attention.blockwise import blockwise_attention
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
@@ -212,6 +213,48 @@ def test_blockwise_window_sinks_and_documents_equal_the_naive_reference(window, 
       q, k, v, bias_fn(p, positions_BxT, positions_BxT), mask_BxTxS=mask)))()
   for g, w in zip(jax.tree.leaves(fast), jax.tree.leaves(naive)):
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("window,sinks,packed", [(0, 0, False), (6, 2, True)])
+def test_blockwise_forget_bias_equals_xla_and_the_naive_reference(window, sinks, packed):
+  """FoX's bias D[i, j] = c_i - c_j per tile from the cumulative log forget gates c, against
+  xla (D materialised) and the reference that sums log f_l term by term: outputs and the
+  gradients of q, k, v and log f (through the cumulative sum); a window and sinks skip whole
+  tiles, packed documents leave cross-document pairs to the mask."""
+  length, heads, kv_heads = 37, 4, 2
+  q = _normal(0, (2, length, heads, 8))
+  k, v = _normal(1, (2, length, kv_heads, 8)), _normal(2, (2, length, kv_heads, 8))
+  log_forget = jax.nn.log_sigmoid(_normal(4, (2, length, heads), 2.0) + 1.0)
+  segments = SEGMENTS_37 if packed else jnp.zeros((2, length), jnp.int32)
+  mask = jnp.asarray(_visible(segments, window, sinks))
+  positions_BxT = jnp.arange(length)[None]
+  d_out = _normal(3, q.shape)
+
+  def blockwise(q, k, v, log_forget):
+    c = jnp.cumsum(log_forget, axis=1)
+    return blockwise_attention(q, k, v, (positions_BxT, c),
+                               lambda p, q_in, k_in: fox.forget_bias(q_in[1], k_in[1]), (),
+                               block_size=8, window=window, sinks=sinks,
+                               segments_BxT=segments if packed else None)
+
+  def xla(q, k, v, log_forget):
+    c = jnp.cumsum(log_forget, axis=1)
+    return jax.nn.dot_product_attention(q, k, v, bias=fox.forget_bias(c, c), mask=mask[:, None],
+                                        implementation="xla")
+
+  def naive(q, k, v, log_forget):
+    return reference.softmax_attention(q, k, v, reference.forget_bias(log_forget),
+                                       mask_BxTxS=mask)
+
+  def vjp(f):
+    out, pullback = jax.vjp(f, q, k, v, log_forget)
+    return out, pullback(d_out)
+
+  got = jax.tree.leaves(jax.jit(lambda: vjp(blockwise))())
+  assert len(got) == 5 and float(jnp.abs(got[-1]).max()) > 1e-3  # d log f reached the gates
+  for want in (jax.jit(lambda: vjp(xla))(), jax.jit(lambda: vjp(naive))()):
+    for g, w in zip(got, jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
 
 
 def _per_document(fn, segments_BxT, *arrays):

@@ -97,7 +97,7 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(attention="flash"), "unknown attention type 'flash'.*valid: gqa, linear, mamba, mamba2, mha, mqa"),
+    (dict(attention="flash"), "unknown attention type 'flash'.*valid: fox, gqa, linear, mamba, mamba2, mha, mqa"),
     (dict(position="t6"), "unknown position scheme 't6'.*valid: alibi, fire, kerple, learned, none, prope, rope, sinusoidal, t5, xpos"),
     (dict(attention="gqa", num_kv_heads=3), r"num_kv_heads=3 does not divide num_heads=4; valid: \[1, 2, 4\]"),
     (dict(d_model=30), "d_model=30 is not divisible by num_heads=4"),
@@ -107,6 +107,8 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
     (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: xla, blockwise, cudnn"),
     (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'; use 'xla' or 'blockwise'"),
+    (dict(attention="fox", position="none", attention_backend="cudnn"), "'fox' does not run on attention_backend 'cudnn'.*use 'blockwise'"),
+    (dict(attention="fox", position="rope"), "'fox' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
     (dict(layer_pattern=("mamba", "flash"), num_layers=2), "unknown attention type 'flash' in model.layer_pattern"),
     (dict(layer_pattern=("mamba", "mha"), num_layers=3), "num_layers=3 must be a positive multiple of len"),
     (dict(compute_dtype="fp8"), "unknown model.compute_dtype 'fp8'; valid: float32, bfloat16"),

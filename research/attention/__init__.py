@@ -6,6 +6,7 @@ entry; so are the benchmarks, the variants table and the sweeps that enumerate i
 """
 
 from research.attention.base import Mixer
+from research.attention.fox import ForgettingAttention
 from research.attention.linear import LinearAttention
 from research.attention.mamba2 import Mamba2
 from research.attention.retention import Retention
@@ -21,3 +22,4 @@ REGISTRY.register("linear", LinearAttention)
 REGISTRY.register("mamba", Mamba)
 REGISTRY.register("mamba2", Mamba2)
 REGISTRY.register("retention", Retention)
+REGISTRY.register("fox", ForgettingAttention, settings="softmax")

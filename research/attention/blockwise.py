@@ -1,9 +1,9 @@
 """Exact causal attention in blocks with an online softmax (FlashAttention, arXiv:2205.14135;
-Rabe & Staats, arXiv:2112.05682), in pure JAX, with any position bias evaluated per tile.
+Rabe & Staats, arXiv:2112.05682), in pure JAX, with any score bias evaluated per tile.
 
 For each block of queries, keys are visited block by block keeping a running max m, running sum
 l and unnormalised output acc:
-  s = scale * q k^T + bias(q positions, k positions),   m' = max(m, rowmax s),
+  s = scale * q k^T + bias(q inputs, k inputs),   m' = max(m, rowmax s),
   p = exp(s - m'),   l' = l exp(m - m') + rowsum p,   acc' = acc exp(m - m') + p v,   out = acc / l.
 Key blocks whose every key is masked are skipped: those in the future, and with a sliding window
 (research.attention.masks) those before the window that hold no sink, so time grows as
@@ -11,10 +11,13 @@ O(length x window). The mask is by token index, and by segment (packed documents
 keeps only out and the row log-sum-exp (O(length) memory); the custom VJP recomputes each
 [block, block] tile, including its bias, so no [length, length] matrix is ever stored; the backward pass visits each tile once (one loop over
 key blocks that also accumulates dQ), recomputing its logits and bias once. The bias
-is a function `bias_fn(params, q_positions_BxQ, k_positions_BxS) -> [B, N, Q, S]` (or None) of
-the position scheme's parameters: the backward pass also returns their gradient, the pullback of
-each tile's dlogits through bias_fn. Grouped-query attention groups the query heads over the
-shared key/value heads (no repeat of K or V in memory).
+is a function `bias_fn(params, q_inputs, k_inputs) -> [B, N, Q, S]` (or None) of parameters (a
+position scheme's) and of per-token inputs, a pytree of [B, T, ...] arrays cut into the tile's
+query and key blocks: the positions, and any data-dependent per-token values (the Forgetting
+Transformer's cumulative log forget gates). The backward pass also returns the gradients of the
+parameters and of the floating-point inputs, the pullback of each tile's dlogits through
+bias_fn. Grouped-query attention groups the query heads over the shared key/value heads (no
+repeat of K or V in memory).
 """
 
 import functools
@@ -31,6 +34,27 @@ def _block(x, index, size):
   return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
 
 
+def _add_to_block(x, update, index, size):
+  return jax.lax.dynamic_update_slice_in_dim(x, _block(x, index, size) + update, index * size,
+                                             axis=1)
+
+
+def _is_float(x):
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _floats(tree):
+  """The floating-point leaves of a pytree (those that get gradients), in order."""
+  return [x for x in jax.tree.leaves(tree) if _is_float(x)]
+
+
+def _with_floats(tree, floats, integers=lambda x: x):
+  """`tree` with its floating-point leaves replaced, in order, by `floats` (and the others by
+  integers(leaf))."""
+  floats = iter(floats)
+  return jax.tree.map(lambda x: next(floats) if _is_float(x) else integers(x), tree)
+
+
 def _unblock(blocks, like):
   """[num_blocks, B, block, ...] -> like's [B, num_blocks * block, ...] and dtype."""
   return blocks.swapaxes(0, 1).reshape(like.shape).astype(like.dtype)
@@ -39,8 +63,8 @@ def _unblock(blocks, like):
 class _Tiles:
   """The logits of tile (i, j) and, for the backward pass, the pullback of its bias."""
 
-  def __init__(self, q, k, positions, segments, bias_fn, bias_params, block, scale, window, sinks):
-    self.q, self.k, self.positions, self.segments = q, k, positions, segments
+  def __init__(self, q, k, inputs, segments, bias_fn, bias_params, block, scale, window, sinks):
+    self.q, self.k, self.inputs, self.segments = q, k, inputs, segments
     self.bias_fn, self.bias_params = bias_fn, bias_params
     self.block, self.scale, self.window, self.sinks = block, scale, window, sinks
     self.num_blocks = q.shape[1] // block
@@ -61,20 +85,26 @@ class _Tiles:
                                   self.packed)
 
   def bias(self, i, j):
-    """(bias [B', K, G, Q, S] or None, pullback from such a cotangent to the parameters)."""
+    """(bias [B', K, G, Q, S] or None, pullback from such a cotangent to (d params, d float
+    inputs of query block i, d float inputs of key block j))."""
     b, _, kv_heads, group, _ = self.q.shape
-    q_pos, k_pos = _block(self.positions, i, self.block), _block(self.positions, j, self.block)
-    bias, pullback = jax.vjp(lambda p: self.bias_fn(p, q_pos, k_pos), self.bias_params)
+    q_in = jax.tree.map(lambda x: _block(x, i, self.block), self.inputs)
+    k_in = jax.tree.map(lambda x: _block(x, j, self.block), self.inputs)
+
+    def bias_of(params, q_floats, k_floats):
+      return self.bias_fn(params, _with_floats(q_in, q_floats), _with_floats(k_in, k_floats))
+
+    bias, pullback = jax.vjp(bias_of, self.bias_params, _floats(q_in), _floats(k_in))
     if bias is None:
       return None, None
     rows = bias.shape[0]
     shape = (rows, kv_heads, group, self.block, self.block)
 
-    def to_params(dlogits_BxKxGxQxS):
+    def cotangents(dlogits_BxKxGxQxS):
       d = dlogits_BxKxGxQxS.sum(0, keepdims=True) if rows == 1 and b > 1 else dlogits_BxKxGxQxS
-      return pullback(d.reshape(bias.shape))[0]
+      return pullback(d.reshape(bias.shape))
 
-    return bias.astype(jnp.float32).reshape(shape), to_params
+    return bias.astype(jnp.float32).reshape(shape), cotangents
 
   def logits(self, q_i, i, j, bias):
     """Biased, causally masked logits of one tile, [B, K, G, Q, S], in float32."""
@@ -94,9 +124,9 @@ class _Tiles:
     return jnp.where(seen[:, :, None], s, _MASKED)  # [B | 1, 1, 1, Q, S] over K and G
 
 
-def _forward(q, k, v, positions, segments, bias_params, block, scale, bias_fn, window, sinks):
+def _forward(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, window, sinks):
   num_blocks = q.shape[1] // block
-  tiles = _Tiles(q, k, positions, segments, bias_fn, bias_params, block, scale, window, sinks)
+  tiles = _Tiles(q, k, inputs, segments, bias_fn, bias_params, block, scale, window, sinks)
 
   def query_block(i):
     q_i = _block(q, i, block)
@@ -132,22 +162,21 @@ _STATIC = (6, 7, 8, 9, 10)  # block, scale, bias_fn, window, sinks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=_STATIC)
-def _attention(q, k, v, positions, segments, bias_params, block, scale, bias_fn, window, sinks):
-  return _forward(q, k, v, positions, segments, bias_params, block, scale, bias_fn, window,
+def _attention(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, window, sinks):
+  return _forward(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, window,
                   sinks)[0]
 
 
-def _attention_fwd(q, k, v, positions, segments, bias_params, block, scale, bias_fn, window,
-                   sinks):
-  out, lse = _forward(q, k, v, positions, segments, bias_params, block, scale, bias_fn, window,
+def _attention_fwd(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, window, sinks):
+  out, lse = _forward(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, window,
                       sinks)
-  return out, (q, k, v, positions, segments, bias_params, out, lse)
+  return out, (q, k, v, inputs, segments, bias_params, out, lse)
 
 
 def _attention_bwd(block, scale, bias_fn, window, sinks, residuals, d_out):
-  q, k, v, positions, segments, bias_params, out, lse = residuals
+  q, k, v, inputs, segments, bias_params, out, lse = residuals
   num_blocks = q.shape[1] // block
-  tiles = _Tiles(q, k, positions, segments, bias_fn, bias_params, block, scale, window, sinks)
+  tiles = _Tiles(q, k, inputs, segments, bias_fn, bias_params, block, scale, window, sinks)
   # delta_i = rowsum(dO_i * O_i), [B, K, G, T]
   delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
@@ -160,50 +189,58 @@ def _attention_bwd(block, scale, bias_fn, window, sinks, residuals, d_out):
     return q_i, do_i, p, p * (dp - delta_i[..., None])
 
   def key_block(carry, j):
-    """dK_j and dV_j sum over the query blocks i >= j that see key block j; each tile (i, j) also adds its share to dQ_i
-    and to d(bias params), so every tile's logits and bias are recomputed once."""
+    """dK_j and dV_j sum over the query blocks i >= j that see key block j; each tile (i, j) also adds its share to dQ_i,
+    to d(bias params) and to d(bias inputs) of blocks i and j, so every tile's logits and bias
+    are recomputed once."""
     k_j, v_j = _block(k, j, block), _block(v, j, block)
 
     def visit(i, inner):
-      dk, dv, dq, d_params = inner
-      bias, to_params = tiles.bias(i, j)
+      dk, dv, dq, d_params, d_inputs = inner
+      bias, cotangents = tiles.bias(i, j)
       q_i, do_i, p, ds = probabilities_and_dlogits(i, j, bias)
       dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, do_i.astype(jnp.float32))
       dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i.astype(jnp.float32)) * scale
       dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j.astype(jnp.float32)) * scale
       dq = jax.lax.dynamic_update_slice_in_dim(dq, _block(dq, i, block) + dq_i, i * block, axis=1)
-      if to_params is not None:
-        d_params = jax.tree.map(jnp.add, d_params, to_params(ds))
-      return dk, dv, dq, d_params
+      if cotangents is not None:
+        dp, dq_inputs, dk_inputs = cotangents(ds)
+        d_params = jax.tree.map(jnp.add, d_params, dp)
+        d_inputs = [_add_to_block(_add_to_block(d, dq_in, i, block), dk_in, j, block)
+                    for d, dq_in, dk_in in zip(d_inputs, dq_inputs, dk_inputs)]
+      return dk, dv, dq, d_params, d_inputs
 
     zeros = jnp.zeros(k_j.shape, jnp.float32)
-    dk, dv, dq, d_params = jax.lax.fori_loop(j, tiles.last_query_block(j) + 1, visit,
-                                             (zeros, zeros, *carry))
-    return (dq, d_params), (dk, dv)
+    dk, dv, *carry = jax.lax.fori_loop(j, tiles.last_query_block(j) + 1, visit,
+                                       (zeros, zeros, *carry))
+    return tuple(carry), (dk, dv)
 
-  init = (jnp.zeros(q.shape, jnp.float32), jax.tree.map(jnp.zeros_like, bias_params))
-  (dq, d_params), (dk, dv) = jax.lax.scan(key_block, init, jnp.arange(num_blocks))
-  return dq.astype(q.dtype), _unblock(dk, k), _unblock(dv, v), None, None, d_params
+  init = (jnp.zeros(q.shape, jnp.float32), jax.tree.map(jnp.zeros_like, bias_params),
+          [jnp.zeros(x.shape, jnp.float32) for x in _floats(inputs)])
+  (dq, d_params, d_inputs), (dk, dv) = jax.lax.scan(key_block, init, jnp.arange(num_blocks))
+  d_inputs = _with_floats(inputs, [d.astype(x.dtype) for d, x in zip(d_inputs, _floats(inputs))],
+                          integers=lambda x: None)
+  return dq.astype(q.dtype), _unblock(dk, k), _unblock(dv, v), d_inputs, None, d_params
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _no_bias(params, q_positions, k_positions):
-  del params, q_positions, k_positions
+def _no_bias(params, q_inputs, k_inputs):
+  del params, q_inputs, k_inputs
   return None
 
 
-def blockwise_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, positions_BxT=None, bias_fn=None,
+def blockwise_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, bias_inputs_BxT=None, bias_fn=None,
                         bias_params=(), *, block_size=128, scale=None, window=0, sinks=0,
                         segments_BxT=None):
-  """softmax(scale q k^T + bias_fn(bias_params, positions, positions), visible) v, in blocks.
+  """softmax(scale q k^T + bias_fn(bias_params, inputs, inputs), visible) v, in blocks.
 
   visible: causal, within the last `window` tokens or one of the first `sinks` (window 0: all
   past tokens), and in the same segment when segments_BxT (packed documents) are given; see
   research.attention.masks. num_kv_heads K must divide num_heads N; query head n uses key/value
-  head n // (N / K). positions_BxT (B may be 1; default 0..T-1) feed only the bias; scale
-  defaults to 1/sqrt(H).
+  head n // (N / K). bias_inputs_BxT feed only the bias: positions [B, T] (B may be 1; default
+  0..T-1) or any pytree of [B, T, ...] arrays, differentiable where they are floating point;
+  scale defaults to 1/sqrt(H).
   """
   b, t, n, h = q_BxTxNxH.shape
   kv_heads = k_BxTxKxH.shape[2]
@@ -213,12 +250,14 @@ def blockwise_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, positions_BxT=None, bia
   pad = [(0, 0), (0, padded - t), (0, 0), (0, 0)]
   q = jnp.pad(q_BxTxNxH, pad).reshape(b, padded, kv_heads, n // kv_heads, h)
   k, v = jnp.pad(k_BxTxKxH, pad), jnp.pad(v_BxTxKxH, pad)
-  if positions_BxT is None:
-    positions_BxT = jnp.arange(t)[None]
-  positions = jnp.pad(positions_BxT, [(0, 0), (0, padded - t)], mode="edge")
+  if bias_inputs_BxT is None:
+    bias_inputs_BxT = jnp.arange(t)[None]
+  inputs = jax.tree.map(
+      lambda x: jnp.pad(x, [(0, 0), (0, padded - t)] + [(0, 0)] * (x.ndim - 2), mode="edge"),
+      bias_inputs_BxT)
   segments = (None if segments_BxT is None
               else jnp.pad(segments_BxT, [(0, 0), (0, padded - t)], mode="edge"))
   scale = h ** -0.5 if scale is None else scale
-  out = _attention(q, k, v, positions, segments, bias_params, block, scale, bias_fn or _no_bias,
+  out = _attention(q, k, v, inputs, segments, bias_params, block, scale, bias_fn or _no_bias,
                    int(window), int(sinks))
   return out.reshape(b, padded, n, h)[:, :t]

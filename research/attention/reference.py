@@ -27,6 +27,15 @@ def softmax_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias_BxNxTxS=None, scale=
   return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(logits, axis=-1), v)
 
 
+def forget_bias(log_forget_BxTxN):
+  """The Forgetting Transformer's D[b, n, i, j] = sum_{l=j+1..i} log f_l for j <= i (0 above the
+  diagonal), summed term by term, [B, N, T, T]."""
+  index = jnp.arange(log_forget_BxTxN.shape[1])
+  i, j, l = index[:, None, None], index[None, :, None], index[None, None, :]
+  between_IxJxL = ((j < l) & (l <= i)).astype(jnp.float32)
+  return jnp.einsum("ijl,bln->bnij", between_IxJxL, log_forget_BxTxN)
+
+
 def linear_attention(phi_q, phi_k, v, rotated_q=None, rotated_k=None, eps=1e-6):
   """o_i = phi(q_i)^T S_i / (phi(q_i)^T z_i + eps) with S_i, z_i as materialised cumulative sums.
 

@@ -13,7 +13,9 @@ One score path (model.attention_backend):
              function evaluated per tile, forward and backward (gradients to its parameters too)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU only
 Decoding takes the xla path: the new queries against the cache, the bias of the new positions
-against the cached ones, for any number of new tokens in one pass (prefill).
+against the cached ones, for any number of new tokens in one pass (prefill). The bias is
+`score_bias` of per-token bias inputs (here the positions); a subclass may add data-dependent
+ones that the cache keeps per key (research/attention/fox.py: cumulative log forget gates).
 
 Masks (research.attention.masks): causal; model.softmax.window = W > 0 keeps the last W keys
 (Longformer's local attention, arXiv:2004.05150) and model.softmax.sinks = S the first S tokens
@@ -57,8 +59,9 @@ class SoftmaxAttention(base.Mixer):
       divisors = [d for d in range(1, heads + 1) if heads % d == 0]
       raise ValueError(f"num_kv_heads={kv} does not divide num_heads={heads}; valid: {divisors}")
     backend = model_config.attention_backend
-    if backend not in BACKENDS:
-      raise ValueError(f"unknown model.attention_backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend not in cls.backends:
+      raise ValueError(f"unknown model.attention_backend {backend!r}; valid: "
+                       f"{', '.join(cls.backends)}")
     if backend == "cudnn" and jax.default_backend() != "gpu":
       raise ValueError(f"attention_backend 'cudnn' needs a GPU, but JAX runs on "
                        f"{jax.default_backend()!r}; use 'xla' or 'blockwise'")
@@ -83,32 +86,49 @@ class SoftmaxAttention(base.Mixer):
     self.value = base.head_projection(d, k, h, "kv_heads", rngs=rngs, dtype=self.dtype)
     self.out = base.output_projection(n, h, d, rngs=rngs, dtype=self.dtype)
 
-  def _project(self, x_BxTxD, positions_BxT):
+  def _project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
+    """(queries, the per-token arrays that the decode cache keeps: {"key", "value"}) of T tokens
+    at `index` onwards; a subclass may add arrays that continue from the cached ones."""
+    del segments_BxT, cache, index
     q = self.position.queries(self.query(x_BxTxD), positions_BxT)
     k = self.position.keys(self.key(x_BxTxD), positions_BxT)
-    return q, k, self.value(x_BxTxD)
+    return q, {"key": k, "value": self.value(x_BxTxD)}
+
+  def _bias_inputs(self, positions_BxT, tokens):
+    """What the score bias reads per token, given the tokens' positions and arrays (as returned
+    by _project or kept in the cache): here the positions."""
+    del tokens
+    return positions_BxT
+
+  def score_bias(self, position, q_inputs, k_inputs):
+    """The score bias [B', N, T, S] float32 (or None) from the queries' and keys' bias inputs,
+    with the scheme `position` (in the blockwise kernel, merged from the parameters it
+    differentiates): the scheme's bias of their positions."""
+    return position.bias(q_inputs, k_inputs)
 
   def _scale(self):
     return self.position.logit_scale() / self.head_dim ** 0.5
 
   def _bias_function(self):
-    """(bias_fn(params, q_positions, k_positions), params): the scheme's bias, as a function
-    of its parameters, for the blockwise kernel to evaluate (and differentiate) per tile."""
+    """(bias_fn(params, q_inputs, k_inputs), params): score_bias as a function of the scheme's
+    parameters, for the blockwise kernel to evaluate (and differentiate) per tile."""
     graphdef, params = nnx.split(self.position)
-    return (lambda p, q_positions, k_positions:
-            nnx.merge(graphdef, p).bias(q_positions, k_positions)), params
+    return (lambda p, q_inputs, k_inputs:
+            self.score_bias(nnx.merge(graphdef, p), q_inputs, k_inputs)), params
 
-  def _dot_product(self, q, k, v, q_positions, k_positions, mask, implementation):
-    bias = self.position.bias(q_positions, k_positions)
+  def _dot_product(self, q, k, v, q_inputs, k_inputs, mask, implementation):
+    bias = self.score_bias(self.position, q_inputs, k_inputs)
     bias = None if bias is None else bias.astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=mask is None,
                                         scale=self._scale(), implementation=implementation)
 
-  def _attend(self, q, k, v, positions_BxL, segments_BxL=None):
+  def _attend(self, q, tokens, positions_BxL, segments_BxL=None):
     """Attention of a whole sequence to itself through the configured backend."""
+    k, v = tokens["key"], tokens["value"]
+    inputs = self._bias_inputs(positions_BxL, tokens)
     if self.backend == "blockwise":
       bias_fn, bias_params = self._bias_function()
-      return blockwise_attention(q, k, v, positions_BxL, bias_fn, bias_params,
+      return blockwise_attention(q, k, v, inputs, bias_fn, bias_params,
                                  block_size=self.block_size, scale=self._scale(),
                                  window=self.window, sinks=self.sinks, segments_BxT=segments_BxL)
     mask = None  # plain causal: the backend's own causal path
@@ -119,11 +139,11 @@ class SoftmaxAttention(base.Mixer):
                         else masks.positions_in_documents(segments_BxL))
       mask = masks.allowed(index, index, self.window, self.sinks, segments_BxL, segments_BxL,
                            document_index)
-    return self._dot_product(q, k, v, positions_BxL, positions_BxL, mask, self.backend)
+    return self._dot_product(q, k, v, inputs, inputs, mask, self.backend)
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    q, k, v = self._project(x_BxLxD, positions_BxL)
-    return self.out(self._attend(q, k, v, positions_BxL, segments_BxL))
+    q, tokens = self._project(x_BxLxD, positions_BxL, segments_BxL)
+    return self.out(self._attend(q, tokens, positions_BxL, segments_BxL))
 
   def attention_weights(self, x_BxLxD, positions_BxL, segments_BxL=None):
     """The attention probabilities of `__call__`, float32 [B, N, L (query), L (key)], for
@@ -160,69 +180,84 @@ class SoftmaxAttention(base.Mixer):
     """T new tokens at indices index..index + T - 1 against the cache and each other, in one
     pass; returns their outputs and the cache with their keys and values written."""
     positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
-    q, k, v = self._project(x_BxTxD, positions_1xT)
-    k, v = k.astype(self.dtype), v.astype(self.dtype)
+    q, tokens = self._project(x_BxTxD, positions_1xT, cache=cache, index=index)
+    tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
     attend = self._decode_rolling if self.window else self._decode_full
     if x_BxTxD.shape[1] == 1:
-      y, cache = attend(q, k, v, cache, positions_1xT)
+      y, cache = attend(q, tokens, cache, positions_1xT)
     else:  # a prompt into an empty cache attends only to itself: the training path
-      y, cache = jax.lax.cond(index == 0, self._prefill_empty, attend, q, k, v, cache,
+      y, cache = jax.lax.cond(index == 0, self._prefill_empty, attend, q, tokens, cache,
                               positions_1xT)
     return self.out(y), cache
 
-  def _prefill_empty(self, q, k, v, cache, positions_1xT):
+  def _prefill_empty(self, q, tokens, cache, positions_1xT):
     """Tokens 0..T-1 into an empty cache: the full-sequence attention of the configured backend
     (blockwise skips masked tiles), then the cache write."""
     write = self._write_rolling if self.window else self._write_full
-    return self._attend(q, k, v, positions_1xT), write(k, v, cache, positions_1xT[0])
+    return self._attend(q, tokens, positions_1xT), write(tokens, cache, positions_1xT[0])
+
+  def _slot(self, token_index):
+    """The cache slot of a token: p, or with a window p (p < S) or S + (p - S) mod W."""
+    if not self.window:
+      return token_index
+    return jnp.where(token_index < self.sinks, token_index,
+                     self.sinks + (token_index - self.sinks) % self.window)
 
   @staticmethod
-  def _write_full(k, v, cache, new_index_T):
-    if k.shape[1] > cache["key"].shape[1]:
-      raise ValueError(f"{k.shape[1]} new tokens do not fit in a decode cache of "
-                       f"{cache['key'].shape[1]} tokens: init_cache with max_length >= the "
-                       "prompt and the tokens to generate")
+  def _write_full(tokens, cache, new_index_T):
+    """Each per-token array (key, value, ...) of the new tokens into its cache entry."""
+    new, slots = tokens["key"].shape[1], cache["key"].shape[1]
+    if new > slots:
+      raise ValueError(f"{new} new tokens do not fit in a decode cache of {slots} tokens: "
+                       "init_cache with max_length >= the prompt and the tokens to generate")
     index = new_index_T[0]
-    return {"key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k, index, 1),
-            "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v, index, 1)}
+    return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(cache[name], x, index, 1)
+                        for name, x in tokens.items()}}
 
-  def _write_rolling(self, k, v, cache, new_index_T):
-    """Keep what later tokens can still see: token p in slot p (p < S) or S + (p - S) mod W, if
-    it is a sink or among the last W tokens."""
+  def _write_rolling(self, tokens, cache, new_index_T):
+    """Keep what later tokens can still see: token p in its slot (_slot), if it is a sink or
+    among the last W tokens."""
     last = new_index_T[-1]
     keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
-    slot = jnp.where(new_index_T < self.sinks, new_index_T,
-                     self.sinks + (new_index_T - self.sinks) % self.window)
-    slot = jnp.where(keep, slot, self.sinks + self.window)  # out of range: dropped
+    dropped = self.sinks + self.window  # out of range
+    slot = jnp.where(keep, self._slot(new_index_T), dropped)
     write = lambda old, new: old.at[:, slot].set(new, mode="drop")
-    return {"key": write(cache["key"], k), "value": write(cache["value"], v),
+    return {**{name: write(cache[name], x) for name, x in tokens.items()},
             "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
 
-  def _decode_full(self, q, k, v, cache, positions_1xT):
+  def _decode_full(self, q, tokens, cache, positions_1xT):
     index = positions_1xT[0, 0]
-    cache = self._write_full(k, v, cache, positions_1xT[0])
+    cache = self._write_full(tokens, cache, positions_1xT[0])
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
     capacity = cache["key"].shape[1]
     k_positions_1xS = jnp.arange(capacity)[None]
     mask = masks.visible(positions_1xT[0], k_positions_1xS[0])[None, None]
-    y = self._dot_product(q, cache["key"], cache["value"], positions_1xT, k_positions_1xS, mask,
-                          "xla")
+    y = self._dot_product(q, cache["key"], cache["value"], self._bias_inputs(positions_1xT, tokens),
+                          self._bias_inputs(k_positions_1xS, cache), mask, "xla")
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
-    y = jnp.where(index + k.shape[1] <= capacity, y, jnp.nan)
+    y = jnp.where(index + tokens["key"].shape[1] <= capacity, y, jnp.nan)
     return y, cache
 
-  def _decode_rolling(self, q, k, v, cache, positions_1xT):
+  def _decode_rolling(self, q, tokens, cache, positions_1xT):
     """Window + sinks decoding: attend to the cached slots and the new tokens, then write."""
     new_index_T = positions_1xT[0]
-    keys = jnp.concatenate([cache["key"], k], axis=1)
-    values = jnp.concatenate([cache["value"], v], axis=1)
+    keys = {name: jnp.concatenate([cache[name], x], axis=1) for name, x in tokens.items()}
     key_index_S = jnp.concatenate([cache["index"], new_index_T])
     mask = masks.visible(new_index_T, key_index_S, self.window, self.sinks) & (key_index_S >= 0)
     # Empty slots (-1) are masked; their bias is taken at position 0 so that it stays finite.
-    y = self._dot_product(q, keys, values, positions_1xT, jnp.maximum(key_index_S, 0)[None],
+    y = self._dot_product(q, keys["key"], keys["value"], self._bias_inputs(positions_1xT, tokens),
+                          self._bias_inputs(jnp.maximum(key_index_S, 0)[None], keys),
                           mask[None, None], "xla")
-    return y, self._write_rolling(k, v, cache, new_index_T)
+    return y, self._write_rolling(tokens, cache, new_index_T)
+
+  @classmethod
+  def cache_bytes_per_token(cls, model_config):
+    """Decode-cache bytes per token and layer: 2 * K * head_dim * bytes per value (keys and
+    values)."""
+    head_dim = model_config.d_model // model_config.num_heads
+    itemsize = jnp.dtype(nn.compute_dtype(model_config)).itemsize
+    return 2 * cls.kv_heads(model_config) * head_dim * itemsize
 
   def mixing_flops_per_token(self, context_length):
     # q k^T and p v, 2 FLOPs per multiply-add, each query sees (context + 1) / 2 keys on average

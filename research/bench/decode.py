@@ -6,7 +6,8 @@ measured and filled up to it: cache["index"] is set to context - 1
 instead of prefilling, which does not change the work of a step, and every timed step keeps
 that index, so each one attends over the whole context. The step is `nnx.split` / `merge`
 inside `jax.jit` with the cache donated. Bytes: `model.cache_bytes` for every type, and for
-softmax types the analytic KV cache 2 * layers * kv_heads * head_dim * bytes * tokens * batch.
+softmax types the analytic KV cache 2 * layers * kv_heads * head_dim * bytes * tokens * batch
+(plus what the mixer keeps per key: FoX's float32 log forget gate per head).
 """
 
 import statistics
@@ -18,7 +19,6 @@ from flax import nnx
 from configs import base
 import research
 from research import attention
-from research import nn
 from research.bench import report
 from research.bench import timing
 
@@ -56,12 +56,12 @@ def kv_heads(config):
 
 
 def analytic_kv_bytes(config, context):
-  """2 * layers * kv_heads * head_dim * bytes * tokens * batch, softmax types only."""
+  """layers * the mixer's cache bytes per token * tokens * batch, softmax types only: keys and
+  values, 2 * kv_heads * head_dim * bytes (FoX adds a float32 log forget gate per head)."""
   if not _is_softmax(config):
     return None
-  itemsize = jnp.dtype(nn.compute_dtype(config)).itemsize
-  head_dim = config.d_model // config.num_heads
-  return 2 * config.num_layers * kv_heads(config) * head_dim * itemsize * context * BATCH
+  per_token = attention.REGISTRY.lookup(config.attention).cache_bytes_per_token(config)
+  return config.num_layers * per_token * context * BATCH
 
 
 def decode_step(graphdef):
