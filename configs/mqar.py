@@ -2,16 +2,16 @@
 
 Key-value pairs, then queries of earlier keys at power-law gaps; accuracy over the answers.
 Sweep (Zoology's Figure 2 axes): every mixer in research.attention.REGISTRY (with RoPE where it
-takes it; the quick preset takes one of mha / mqa / gqa, which share their code) x model width x
+takes it; the quick preset leaves out mqa and gqa, registered as head-count variants of mha) x model width x
 (sequence length, number of key-value pairs), evaluated at the training length; width.png draws accuracy against width, one panel per (length, pairs), with 95%
 bootstrap intervals. Published trend: attention near 1.0 at every width; linear attention and
 SSMs need more width as the number of pairs grows.
 
   python -m experiments.run --config=configs/mqar.py:quick --workdir=runs/mqar
-      each mixer family x widths 32, 64 x (length, pairs) in (64, 4), (128, 8): 4 runs of 400
+      each mixer's code once x widths 32, 64 x (length, pairs) in (64, 4), (128, 8): 4 runs of 400
       steps (learning rate 3e-3) per mixer. With the 6 mixers of 2026-12-01 (mha, mqa, gqa,
       linear, mamba, retention: 24 runs) it took 20 minutes with --parallel=2 on 2 idle CPU
-      cores (target: 25); one family per mixer keeps new mixers inside that budget.
+      cores (target: 25); running mqa / gqa as mha keeps room in that budget for new mixers.
   python -m experiments.run --config=configs/mqar.py:full --workdir=runs/mqar   (one GPU)
       widths 64..512 x lengths 64..512 x pairs length / 16 and length / 8.
 """

@@ -19,10 +19,7 @@ def every_mixer(preferred_position: str = "rope") -> list[tuple[str, str]]:
 
 
 def every_mixer_family(preferred_position: str = "rope") -> list[tuple[str, str]]:
-  """every_mixer() with one entry per set of hyperparameters (the first registered of those that
-  share one, e.g. mha for mha / mqa / gqa, which differ only in their key/value heads)."""
-  first = {}
-  for name in attention.REGISTRY:
-    first.setdefault(attention.REGISTRY.settings_key(name), name)
-  keep = set(first.values())
-  return [(name, position) for name, position in every_mixer(preferred_position) if name in keep]
+  """every_mixer() without the entries registered as head-count variants of another (mqa and
+  gqa run mha's code with fewer key/value heads): one run per mixer's code, for CPU presets."""
+  return [(name, position) for name, position in every_mixer(preferred_position)
+          if attention.REGISTRY.variant_of(name) is None]

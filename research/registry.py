@@ -16,14 +16,24 @@ class Registry(dict):
     self.what = what
     self.config_field = config_field
     self._settings_keys = {}
+    self._variant_of = {}
 
-  def register(self, name, cls, settings=None):
-    """Add `cls` as `name`; its hyperparameters go under model.<settings or name>."""
+  def register(self, name, cls, settings=None, variant_of=None):
+    """Add `cls` as `name`; its hyperparameters go under model.<settings or name>. variant_of
+    names an entry whose code this one runs with other head counts (mqa, gqa: of mha), so
+    CPU sweeps may run that entry alone for both."""
     if name in self:
       raise ValueError(f"{self.what} {name!r} is already registered (to {self[name].__name__})")
+    if variant_of is not None and variant_of not in self:
+      raise ValueError(f"{name!r} is a variant of {variant_of!r}, which is not registered")
     self[name] = cls
     self._settings_keys[name] = settings or name
+    self._variant_of[name] = variant_of
     return cls
+
+  def variant_of(self, name):
+    """The entry this one is a head-count variant of, or None."""
+    return self._variant_of[name]
 
   def lookup(self, name, config_field=None):
     if name not in self:

@@ -162,8 +162,8 @@ def test_experiment_configs_expand_into_valid_sweeps(name, preset):
 
 @pytest.mark.parametrize("preset", ["quick", "full"])
 def test_mqar_sweeps_every_mixer_at_several_lengths_and_pair_counts(preset):
-  """full: every registered mixer; quick: mha stands for mha / mqa / gqa (one code path, settings
-  key `softmax`), so that each new mixer adds only its own 4 runs to the CPU preset."""
+  """full: every registered mixer; quick: mha stands for mqa and gqa (registered as its head-count
+  variants), so that each new mixer adds only its own 4 runs to the CPU preset."""
   members = [m.config for m in _expand("mqar", preset)]
   swept = {c.model.attention for c in members}
   assert swept == (set(attention.REGISTRY) - {"mqa", "gqa"} if preset == "quick"

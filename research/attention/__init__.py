@@ -16,8 +16,8 @@ from research.registry import Registry
 
 REGISTRY = Registry("attention type", "model.attention")
 REGISTRY.register("mha", MHA, settings="softmax")
-REGISTRY.register("mqa", MQA, settings="softmax")
-REGISTRY.register("gqa", GQA, settings="softmax")
+REGISTRY.register("mqa", MQA, settings="softmax", variant_of="mha")
+REGISTRY.register("gqa", GQA, settings="softmax", variant_of="mha")
 REGISTRY.register("linear", LinearAttention)
 REGISTRY.register("mamba", Mamba)
 REGISTRY.register("mamba2", Mamba2)
