@@ -38,13 +38,16 @@ def test_attention_weights_match_a_naive_reference_from_the_parameters():
   np.testing.assert_allclose(weights, expected, atol=1e-5)
 
 
-def test_attention_weights_reproduce_the_mixers_output_with_window_sinks_and_documents():
-  mixer = _mixer(attention="gqa", position="rope", softmax=dict(window=4, sinks=1))
+@pytest.mark.parametrize("attention,position", [("gqa", "rope"), ("fox", "none")])
+def test_attention_weights_reproduce_the_mixers_output_with_window_sinks_and_documents(
+    attention, position):
+  """The maps are what the mixer computes, data-dependent biases (FoX's forget gates) included."""
+  mixer = _mixer(attention=attention, position=position, softmax=dict(window=4, sinks=1))
   x = jax.random.normal(jax.random.key(2), (1, 12, 32))
   segments = jnp.asarray([[0] * 5 + [1] * 7])
   positions_1xL = masks.positions_in_documents(segments)
   weights = mixer.attention_weights(x, positions_1xL, segments)
-  values = jnp.repeat(mixer.value(x), 2, axis=2)
+  values = jnp.repeat(mixer.value(x), mixer.num_heads // mixer.num_kv_heads, axis=2)
   np.testing.assert_allclose(mixer.out(jnp.einsum("bnts,bsnh->btnh", weights, values)),
                              mixer(x, positions_1xL, segments), atol=1e-5)
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)

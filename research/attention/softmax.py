@@ -149,11 +149,12 @@ class SoftmaxAttention(base.Mixer):
     """The attention probabilities of `__call__`, float32 [B, N, L (query), L (key)], for
     inspection (research.heads): the xla path's logits (m q k^T / sqrt(d) + bias), mask
     (causal, window and sinks, segments) and float32 softmax, materialised."""
-    q, k, _ = self._project(x_BxLxD, positions_BxL)
-    k = jnp.repeat(k, self.num_heads // self.num_kv_heads, axis=2)  # kv head of query n: n // G
+    q, tokens = self._project(x_BxLxD, positions_BxL, segments_BxL)
+    k = jnp.repeat(tokens["key"], self.num_heads // self.num_kv_heads, axis=2)  # q head n: n // G
     logits_BxNxLxL = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
     logits_BxNxLxL = logits_BxNxLxL * self._scale()
-    bias = self.position.bias(positions_BxL, positions_BxL)
+    inputs = self._bias_inputs(positions_BxL, tokens)
+    bias = self.score_bias(self.position, inputs, inputs)
     if bias is not None:
       logits_BxNxLxL = logits_BxNxLxL + bias.astype(q.dtype)
     index = jnp.arange(q.shape[1])
