@@ -19,7 +19,7 @@ no --lengths); recurrent: each recurrent mixer's chunked fwd+bwd against its own
 recurrence, and its memory growth (research/bench/recurrent.py); peers: the project against PyTorch
 on the same CPU with the same thread count (training step, attention, decode, linear attention,
 Mamba scan, matmul; research/bench/peers.py; needs `pip install -r requirements-peers.txt`;
-about 5 minutes). --quick: short lengths and fewer repeats, a smoke test.
+about 4.5 minutes on 2 cores). --quick: short lengths and fewer repeats, a smoke test.
 The markdown file lists the performance targets as ratios computed from the same run.
 """
 

@@ -613,21 +613,27 @@ def tables(rows):
 
 
 def figure(path, suite, rows, meta):
-  """Horizontal bars: the median ratio of each pair, whiskers over the rounds' ratios."""
+  """A bar per pair from parity (1) to its median ratio, whiskers over the rounds' ratios."""
   found = pairs(rows)
   labels = [f"{o['case']}: {o['implementation']} vs {t['implementation']}" for o, t in found]
-  ratios = [t["time_ms"] / o["time_ms"] for o, t in found]
+  ratios = np.array([t["time_ms"] / o["time_ms"] for o, t in found])
   spread = [round_ratios(o, t) for o, t in found]
+  whiskers = np.array([[r - min(s) for r, s in zip(ratios, spread)],
+                       [max(s) - r for r, s in zip(ratios, spread)]]).reshape(2, len(found))
   fig, ax = plt.subplots(figsize=(8, 0.45 * len(found) + 1.5))
   y = np.arange(len(found))
-  errors = np.array([[r - min(s) for r, s in zip(ratios, spread)],
-                     [max(s) - r for r, s in zip(ratios, spread)]]).reshape(2, len(found))
-  ax.barh(y, ratios, xerr=errors, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
+  ax.barh(y, ratios - 1, left=1, xerr=whiskers,
+          color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
   ax.axvline(1.0, color="black", linewidth=1)
-  ax.set(yticks=y, yticklabels=labels, xscale="log",
+  ax.set_xscale("log")
+  low, high = (min(map(min, spread)), max(map(max, spread))) if found else (1, 1)
+  ticks = [x for x in (0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20) if low / 2 <= x <= 2 * high]
+  ax.set_xticks(ticks, [f"{x:g}x" for x in ticks])
+  ax.xaxis.set_minor_formatter(plt.NullFormatter())
+  ax.set(yticks=y, yticklabels=labels,
          xlabel="PyTorch time / project time (> 1: the project is faster)")
   ax.invert_yaxis()
-  ax.grid(True, axis="x", which="both", alpha=0.3)
+  ax.grid(True, axis="x", which="major", alpha=0.3)
   settings = next((r for r in rows if r["part"] == "settings"), {})
   fig.suptitle(f"{suite.name}: {meta['hardware']}, jax {meta['jax_version']}, torch "
                f"{settings.get('torch_version', '?')}, {settings.get('threads', '?')} threads",
