@@ -5,14 +5,18 @@ with a reason, and that the JSON, markdown and PNG files hold what the reports n
 """
 
 import json
+import sys
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from experiments import bench
+from research import model as model_lib
 from research.bench import decode
 from research.bench import mixers
+from research.bench import peers
 from research.bench import recurrent
 from research.bench import report
 from research.bench import state
@@ -195,8 +199,6 @@ def test_accelerator_check_fits_its_budget_and_its_model_is_125m():
   minutes, and configs/model_125m.py:mfu builds a model of about 125M parameters (abstractly)."""
   from configs import model_125m  # noqa: PLC0415
   from experiments import accelerator_check  # noqa: PLC0415
-  from research import model as model_lib  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
   commands = accelerator_check.steps("/tmp/out", dry_run=False)
   assert sum(limit for _, _, limit, _ in commands) < 600
   for _, command, _, _ in commands:
@@ -209,3 +211,93 @@ def test_accelerator_check_fits_its_budget_and_its_model_is_125m():
   model = nnx.eval_shape(lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))
   assert 120e6 < model_lib.count_params(model) < 130e6
   assert config.train.seq_len == 2048 and config.model.compute_dtype == "bfloat16"
+
+
+def test_peers_suite_without_pytorch_says_how_to_install_it(tmp_path, monkeypatch):
+  """One line, no traceback, nothing written, whether or not torch is installed here."""
+  monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ImportError
+  with pytest.raises(SystemExit) as exited:
+    bench.main(["--suite=peers", f"--out={tmp_path}"])
+  message = exited.value.code
+  assert isinstance(message, str) and "\n" not in message, message
+  assert "pip install -r requirements-peers.txt" in message
+  assert not list(tmp_path.iterdir())
+  with pytest.raises(SystemExit):  # --threads belongs to the peers suite
+    bench.parse_args(["--suite=mixers", "--out=x", "--threads=2"])
+
+
+def _peer_rows():
+  def timed(side, implementation, times_ms):
+    return {"part": "time", "case": "train", "title": "training step", "side": side,
+            "implementation": implementation, "time_ms": float(np.median(times_ms)),
+            "min_ms": min(times_ms), "max_ms": max(times_ms), "times_ms": times_ms,
+            "repeats": len(times_ms)}
+
+  return [{"part": "settings", "threads": 2, "torch_version": "2.x", "torch_num_threads": 2,
+           "pjrt_nproc": "2", "xla_pool_pinned": True, "xla_flags": ""},
+          {"part": "agreement", "case": "train", "size": "batch 2 x 16", "tensors": 3,
+           "max_abs_error": 2e-6, "max_relative_error": 1e-6, "worst": "logits"},
+          timed("project", "jit", [100.0, 110.0, 90.0]),
+          timed("pytorch", "eager", [50.0, 66.0, 45.0]),
+          {"part": "time", "case": "train", "title": "training step", "side": "pytorch",
+           "implementation": "compile", "skipped": "no C++ compiler"}]
+
+
+def test_peers_tables_ratios_and_figure_from_rows(tmp_path):
+  """Ratio = PyTorch / project of the medians, and of each interleaved round; the targets, the
+  agreement and the skipped implementations are reported; the figure is drawn from rows alone."""
+  rows = _peer_rows()
+  [(ours, theirs)] = peers.pairs(rows)
+  assert (ours["implementation"], theirs["implementation"]) == ("jit", "eager")
+  assert peers.round_ratios(ours, theirs) == pytest.approx([0.5, 0.6, 0.5])
+  lines = peers.summary(rows)
+  assert lines[0].startswith("threads: 2 each; PyTorch 2.x torch.set_num_threads(2)")
+  assert "PJRT_NPROC=2 (XLA's CPU client pool, set before the backend started)" in lines[0]
+  assert ("train: PyTorch eager / project jit time = 0.50x (target >= 0.8x): MISSED by 1.60x"
+          in lines)
+  assert not any(line.startswith("decode:") for line in lines)  # no rows, no target line
+  (title, table), (_, agreement), (_, skipped) = peers.tables(rows)
+  assert title.startswith("PyTorch time / project time")
+  assert table.splitlines()[2] == ("| training step | jit | eager | 100.00 [90.00–110.00] | "
+                                   "50.00 [45.00–66.00] | 0.50x | 0.50–0.60 | 2.0e-06 |")
+  assert "| train |  | batch 2 x 16 | 3 | 2.00e-06 | 1.00e-06 | logits |" in agreement
+  assert "| train | pytorch | compile | no C++ compiler |" in skipped
+  meta = {"date": "d", "hardware": "cpu", "backend": "cpu", "jax_version": "0", "command": "c"}
+  paths = report.write_all(tmp_path, peers.SUITE, rows, meta)
+  with open(paths["png"], "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_peers_agreement_stops_on_a_difference():
+  row = peers.compare("case", "tiny", [("x", np.ones(3), np.ones(3) + 1e-7)])
+  assert row["max_abs_error"] == pytest.approx(1e-7) and row["worst"] == "x"
+  with pytest.raises(peers.AgreementError, match="disagree on y"):
+    peers.compare("case", "tiny", [("x", np.ones(3), np.ones(3)), ("y", np.ones(3), np.full(3, 1.01))])
+
+
+def test_peers_weight_names_cover_every_parameter_once():
+  """The PyTorch model's names hold exactly the project's parameters, in PyTorch's layouts."""
+  config = peers.train_config(peers.REFERENCE, 2, 16)
+  model = model_lib.build_model(config.model, rngs=nnx.Rngs(0))
+  named = peers.torch_weights(model)
+  assert sum(a.size for a in named.values()) == model_lib.count_params(model)
+  d = config.model.d_model
+  assert named["h.0.attn.c_attn.weight"].shape == (3 * d, d)  # Linear: [out, in]
+  key = np.asarray(model.blocks[1].mixer.key.kernel[...]).reshape(d, d).T
+  np.testing.assert_array_equal(named["h.1.attn.c_attn.weight"][d:2 * d], key)
+  np.testing.assert_array_equal(named["lm_head.weight"], np.asarray(model.head.kernel[...]).T)
+
+
+def test_peers_suite_agrees_with_pytorch_and_times_every_case(tmp_path, monkeypatch):
+  """Only where PyTorch is installed (an optional extra): every case's agreement check at its
+  small size, then one quick round of every timing."""
+  pytest.importorskip("torch")
+  monkeypatch.setenv("PJRT_NPROC", "")  # restored afterwards; the suite sets it
+  paths = bench.main(["--suite=peers", f"--out={tmp_path}", "--quick"])
+  with open(paths["json"]) as f:
+    rows = json.load(f)["rows"]
+  checked = {row["case"] for row in rows if row["part"] == "agreement"}
+  assert checked == set(peers.CASES)
+  timed = {(row["case"], row["side"]) for row in rows if row.get("time_ms")}
+  assert timed == {(case, side) for case in peers.CASES for side in ("project", "pytorch")}
+  assert [row["implementation"] for row in rows if row.get("skipped")] == ["compile"]

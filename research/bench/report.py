@@ -11,7 +11,7 @@ import json
 import os
 import platform
 import subprocess
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import matplotlib
@@ -39,7 +39,9 @@ class Suite:
 
   tables(rows) -> [(title, markdown table)]; summary(rows) -> markdown lines (the targets, as
   ratios computed from the rows); panels: the figures' plots; takes_lengths: whether --lengths
-  applies (False: the suite measures at its own fixed lengths).
+  applies (False: the suite measures at its own fixed lengths); configure(args), if given: called
+  before JAX starts its backend (peers: thread counts), and only such a suite takes --threads;
+  figure(path, suite, rows, meta), if given: draws the PNG instead of the panels.
   """
   name: str
   description: str
@@ -48,6 +50,8 @@ class Suite:
   summary: Callable
   panels: tuple
   takes_lengths: bool = True
+  configure: Optional[Callable] = None
+  figure: Optional[Callable] = None
 
 
 def hardware():
@@ -164,5 +168,5 @@ def write_all(out_dir, suite, rows, meta):
   paths = {ext: os.path.join(out_dir, f"{suite.name}.{ext}") for ext in ("json", "md", "png")}
   write_json(paths["json"], rows, meta)
   write_markdown(paths["md"], suite, rows, meta)
-  write_figure(paths["png"], suite, rows, meta)
+  (suite.figure or write_figure)(paths["png"], suite, rows, meta)
   return paths
