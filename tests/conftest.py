@@ -39,7 +39,8 @@ def tiny_model_config(**overrides):
   config.update(dict(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_ratio=2,
                      vocab_size=61))
   settings = {"softmax": dict(block_size=8), "linear": dict(chunk_size=8),
-              "mamba": dict(chunk_size=8, state_size=4), "learned": dict(max_length=64)}
+              "mamba": dict(chunk_size=8, state_size=4), "learned": dict(max_length=64),
+              "gated_deltanet": dict(chunk_size=8)}
   settings.update({key: dict(original_length=16) for key in ("rope", "xpos", "prope")})
   for key, values in list(settings.items()) + list(overrides.items()):
     if isinstance(values, dict):

@@ -6,6 +6,7 @@ entry; so are the benchmarks, the variants table and the sweeps that enumerate i
 """
 
 from research.attention.base import Mixer
+from research.attention.gated_deltanet import GatedDeltaNet
 from research.attention.linear import LinearAttention
 from research.attention.retention import Retention
 from research.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
@@ -19,3 +20,4 @@ REGISTRY.register("gqa", GQA, settings="softmax")
 REGISTRY.register("linear", LinearAttention)
 REGISTRY.register("mamba", Mamba)
 REGISTRY.register("retention", Retention)
+REGISTRY.register("gated_deltanet", GatedDeltaNet)
