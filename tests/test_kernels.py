@@ -10,7 +10,8 @@ from flax import nnx
 from research import positions
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
-from research.attention.gated_deltanet import chunked_gated_delta_rule, l2_normalize
+from research.attention.gated_deltanet import (chunked_gated_delta_rule, invert_unit_lower,
+                                               l2_normalize)
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
 from research.attention.retention import chunked_retention
 from research.attention.ssm import SCANS, chunked_selective_scan
@@ -302,3 +303,9 @@ def test_chunked_gated_delta_rule_equals_the_recurrence_with_gradients(packed):
   want = jax.jit(lambda: vjp(naive))()
   for got, expected in zip(jax.tree.leaves(fast), jax.tree.leaves(want)):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_invert_unit_lower_by_doubling():
+  for size in (1, 5, 8):  # padded to a power of two, or not
+    m = jnp.tril(_normal(size, (3, size, size)), -1) + jnp.eye(size)
+    np.testing.assert_allclose(invert_unit_lower(m), np.linalg.inv(np.asarray(m)), atol=1e-4)

@@ -18,8 +18,9 @@ G_i = g_1 + ... + g_i the cumulative log decay since the chunk's start and S_0 t
 the delta-rule corrections u_i (S_i = e^{G_i} S_0 + sum_{j<=i} e^{G_i - G_j} k_j u_j^T) solve one
 unit lower triangular system (the UT transform):
   (I + A) U = diag(beta) V - diag(beta e^G) K S_0,   A_ij = beta_i e^{G_i - G_j} k_i . k_j  (j < i)
-so U = U' - W S_0 with [U', W] = (I + A)^-1 [diag(beta) V, diag(beta e^G) K] (one triangular solve
-for all chunks at once), and then, by matmuls,
+so U = U' - W S_0 with [U', W] = (I + A)^-1 [diag(beta) V, diag(beta e^G) K]; the inverse of the
+unit triangular I + A is built for all chunks at once by blockwise doubling (log2 C rounds of
+matmuls, exact; LAPACK's triangular solve on CPU was slower and stalled at random). Then,
   O = diag(e^G) Q S_0 + (Q K^T * D) U,   D_ij = e^{G_i - G_j} (j <= i),
   S_C = e^{G_C} S_0 + (diag(e^{G_C - G}) K)^T U.
 Only the last line is sequential: a scan over chunks carries S. Every decay factor is <= 1.
@@ -66,6 +67,28 @@ def short_convolution(x, window, kernel, segments=None):
   return sum(tap * kernel[i] for i, tap in enumerate(taps)), full[:, t:]
 
 
+def invert_unit_lower(m):
+  """The inverse of unit lower triangular matrices m [..., C, C] by doubling, with matmuls only:
+  the inverses X1, X2 of two diagonal blocks of size s give that of the block of size 2s,
+  [[M11, 0], [M21, M22]]^-1 = [[X1, 0], [-X2 M21 X1, X2]]; C is padded to a power of two."""
+  c = m.shape[-1]
+  p = 1 << (c - 1).bit_length()
+  batch = m.shape[:-2]
+  m = jnp.pad(m, [(0, 0)] * len(batch) + [(0, p - c), (0, p - c)])
+  inverse = jnp.ones((*batch, p, 1, 1), m.dtype)  # of the 1 x 1 diagonal blocks
+  size = 1
+  while size < p:
+    blocks = m.reshape(*batch, p // size, size, p // size, size)
+    below = jnp.diagonal(blocks[..., 1::2, :, 0::2, :], axis1=-4, axis2=-2)  # M21 of each pair
+    below = jnp.moveaxis(below, -1, -3)
+    first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+    corner = -second @ below @ first
+    inverse = jnp.concatenate([jnp.concatenate([first, jnp.zeros_like(first)], axis=-1),
+                               jnp.concatenate([corner, second], axis=-1)], axis=-2)
+    size *= 2
+  return inverse[..., 0, :c, :c]
+
+
 def chunked_gated_delta_rule(q, k, v, log_decay, beta, state, *, chunk_size=64, segments=None):
   """The gated delta rule in the chunkwise WY form (module docstring), from `state`.
 
@@ -107,10 +130,9 @@ def chunked_gated_delta_rule(q, k, v, log_decay, beta, state, *, chunk_size=64, 
 
   eye = jnp.eye(chunk, dtype=bool)
   kk = jnp.einsum("bznch,bznsh->bzncs", k, k)
-  system = jnp.where(eye, 1.0, beta[..., :, None] * kk * within)  # I + A
+  system = jnp.where(eye, 1.0, beta[..., :, None] * kk * within)  # I + A, unit lower
   drives = jnp.concatenate([beta[..., None] * v, (beta * from_start)[..., None] * k], axis=-1)
-  solved = jax.lax.linalg.triangular_solve(system, drives, left_side=True, lower=True,
-                                           unit_diagonal=True)
+  solved = jnp.einsum("bzncs,bznsf->bzncf", invert_unit_lower(system), drives)
   free_u, w = solved[..., :e], solved[..., e:]  # U = U' - W S_0
   k_to_end = k * to_end[..., None]
 
