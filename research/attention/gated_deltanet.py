@@ -43,6 +43,7 @@ from research.attention import ssm
 L2_EPSILON = 1e-6
 NORM_EPSILON = 1e-5
 A_INIT_MAX = 16.0
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def l2_normalize(x):
@@ -82,7 +83,8 @@ def invert_unit_lower(m):
     below = jnp.diagonal(blocks[..., 1::2, :, 0::2, :], axis1=-4, axis2=-2)  # M21 of each pair
     below = jnp.moveaxis(below, -1, -3)
     first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
-    corner = -second @ below @ first
+    # Full float32 matmuls (no TF32 on GPUs): the inverse feeds every output of the chunk.
+    corner = -jnp.matmul(jnp.matmul(second, below, precision=HIGHEST), first, precision=HIGHEST)
     inverse = jnp.concatenate([jnp.concatenate([first, jnp.zeros_like(first)], axis=-1),
                                jnp.concatenate([corner, second], axis=-1)], axis=-2)
     size *= 2
