@@ -13,6 +13,8 @@ from research import attention, positions
 from research.attention import fox
 from research.attention import masks, reference
 from research.attention.blockwise import blockwise_attention
+from research.attention.gated_deltanet import (chunked_gated_delta_rule, invert_unit_lower,
+                                               l2_normalize)
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
 from research.attention.mamba2 import chunked_ssd
 from research.attention.retention import chunked_retention
@@ -466,3 +468,52 @@ def test_mamba2_mixer_equals_the_token_by_token_reference_with_gradients():
   want = jax.jit(lambda x: _outputs_and_gradients(_naive_mamba2_mixer, mixer, x))(x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def _gated_delta_rule_per_document(q, k, v, log_decay, beta, state):
+  """The recurrence on each document of SEGMENTS_37 alone: a row's first document from that
+  row's state, the others from 0; the final state is the last document's."""
+  outputs, states = [], []
+  for row, segment_row in enumerate(np.asarray(SEGMENTS_37)):
+    parts, row_state = [], state[row:row + 1]
+    for i, segment in enumerate(np.unique(segment_row)):
+      inputs = (a[row:row + 1, segment_row == segment] for a in (q, k, v, log_decay, beta))
+      out, row_state = reference.gated_delta_rule(*inputs, row_state if i == 0
+                                                  else jnp.zeros_like(row_state))
+      parts.append(out)
+    outputs.append(jnp.concatenate(parts, axis=1))
+    states.append(row_state)
+  return jnp.concatenate(outputs), jnp.concatenate(states)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_gated_delta_rule_equals_the_recurrence_with_gradients(packed):
+  """The WY chunked form against the token-by-token recurrence: outputs, final state and the
+  gradients of q, k, v, the log decays, beta and the initial state; length 37 in chunks of 8,
+  from a state; packed documents (SEGMENTS_37) each alone."""
+  b, length, n, h, e = 2, 37, 2, 4, 6
+  inputs = (l2_normalize(_normal(0, (b, length, n, h))) * h ** -0.5,
+            l2_normalize(_normal(1, (b, length, n, h))),
+            _normal(2, (b, length, n, e)),
+            -jax.nn.softplus(_normal(3, (b, length, n), 2.0)),  # decays from ~1 to ~e^-6
+            jax.nn.sigmoid(_normal(4, (b, length, n), 2.0)),
+            _normal(5, (b, n, h, e)))
+  segments = SEGMENTS_37 if packed else None
+  naive = _gated_delta_rule_per_document if packed else reference.gated_delta_rule
+  d_out, d_state = _normal(6, (b, length, n, e)), _normal(7, (b, n, h, e))
+
+  def vjp(f):
+    out, pullback = jax.vjp(f, *inputs)
+    return out, pullback((d_out, d_state))
+
+  fast = jax.jit(lambda: vjp(lambda *a: chunked_gated_delta_rule(*a, chunk_size=8,
+                                                                 segments=segments)))()
+  want = jax.jit(lambda: vjp(naive))()
+  for got, expected in zip(jax.tree.leaves(fast), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_invert_unit_lower_by_doubling():
+  for size in (1, 5, 8):  # padded to a power of two, or not
+    m = jnp.tril(_normal(size, (3, size, size)), -1) + jnp.eye(size)
+    np.testing.assert_allclose(invert_unit_lower(m), np.linalg.inv(np.asarray(m)), atol=1e-4)

@@ -7,6 +7,7 @@ entry; so are the benchmarks, the variants table and the sweeps that enumerate i
 
 from research.attention.base import Mixer
 from research.attention.fox import ForgettingAttention
+from research.attention.gated_deltanet import GatedDeltaNet
 from research.attention.linear import LinearAttention
 from research.attention.mamba2 import Mamba2
 from research.attention.retention import Retention
@@ -23,3 +24,4 @@ REGISTRY.register("mamba", Mamba)
 REGISTRY.register("mamba2", Mamba2)
 REGISTRY.register("retention", Retention)
 REGISTRY.register("fox", ForgettingAttention, settings="softmax")
+REGISTRY.register("gated_deltanet", GatedDeltaNet)

@@ -100,3 +100,22 @@ def ssd_recurrence(x, dt, A, B, C, h0):
 
   h, y = jax.lax.scan(step, h0, tuple(t.swapaxes(0, 1) for t in (x, dt, B, C)))
   return y.swapaxes(0, 1), h
+
+
+def gated_delta_rule(q, k, v, log_decay, beta, state):
+  """S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T q_t, one token
+  at a time with the [H, H] transition built explicitly; q, k [B, L, N, H], v [B, L, N, E],
+  log_decay g and beta [B, L, N], state [B, N, H, E]."""
+  eye = jnp.eye(q.shape[-1], dtype=jnp.float32)
+
+  def step(state, inputs):
+    q_t, k_t, v_t, g_t, beta_t = inputs
+    transition = jnp.exp(g_t)[..., None, None] * (
+        eye - beta_t[..., None, None] * jnp.einsum("bnh,bni->bnhi", k_t, k_t))
+    state = (jnp.einsum("bnhi,bnie->bnhe", transition, state)
+             + beta_t[..., None, None] * jnp.einsum("bnh,bne->bnhe", k_t, v_t))
+    return state, jnp.einsum("bnh,bnhe->bne", q_t, state)
+
+  state, out = jax.lax.scan(step, state, tuple(t.swapaxes(0, 1)
+                                               for t in (q, k, v, log_decay, beta)))
+  return out.swapaxes(0, 1), state

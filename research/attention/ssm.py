@@ -95,21 +95,22 @@ def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associ
   return y.swapaxes(0, 1).reshape(b, padded, -1)[:, :length], h
 
 
-def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F, segments_BxT=None):
-  """Causal depthwise convolution of x after the cached window of the previous width - 1 inputs
-  (which belong to the first token's segment); inputs of other segments count as 0. Returns the
-  output and the window for the next call (the last width - 1 inputs)."""
+def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F=None, segments_BxT=None):
+  """Causal depthwise convolution of x [B, T, ...channels] (tap W - 1 on the token itself) after
+  the cached window [B, W - 1, ...] of the previous inputs (which belong to the first token's
+  segment); inputs of other segments count as 0. Returns the output and the window for the next
+  call (the last W - 1 inputs)."""
   full = jnp.concatenate([window_BxWxF.astype(x_BxTxF.dtype), x_BxTxF], axis=1)
   kernel = kernel_WxF.astype(x_BxTxF.dtype)
   t, w = x_BxTxF.shape[1], kernel_WxF.shape[0]
-  if segments_BxT is None:
-    taps = [full[:, i:i + t] for i in range(w)]
-  else:
+  taps = [full[:, i:i + t] for i in range(w)]
+  if segments_BxT is not None:
     segments = jnp.pad(segments_BxT, [(0, 0), (w - 1, 0)], mode="edge")
-    taps = [full[:, i:i + t] * (segments[:, i:i + t] == segments_BxT)[..., None]
-            for i in range(w)]
+    channels = (1,) * (x_BxTxF.ndim - 2)
+    taps = [tap * (segments[:, i:i + t] == segments_BxT).reshape(*segments_BxT.shape, *channels)
+            for i, tap in enumerate(taps)]
   y = sum(tap * kernel[i] for i, tap in enumerate(taps))
-  return y + bias_F.astype(y.dtype), full[:, t:]
+  return (y if bias_F is None else y + bias_F.astype(y.dtype)), full[:, t:]
 
 
 def dt_bias_init(key, shape, dtype=jnp.float32):
