@@ -39,16 +39,26 @@ def _family(mixer_cls):
   return next(c for c in mixer_cls.__mro__ if "__call__" in c.__dict__)
 
 
+def _applies(mixer_cls, position):
+  """Whether the mixer itself applies one of the scheme's hooks (the embedding term is added by
+  the model, the same for every mixer)."""
+  return bool(positions.REGISTRY[position].hooks() & mixer_cls.position_hooks)
+
+
 def _variants():
-  """Every mixer x compatible position scheme x CPU backend, except that a mixer whose family
+  """Every mixer x compatible position scheme x CPU backend, except that (1) a mixer whose family
   (the class that defines its forward) was already run with every scheme runs one scheme per
-  set of hooks: mqa and gqa share mha's code and differ in their key/value heads."""
+  set of hooks: mqa and gqa share mha's code and differ in their key/value heads; (2) the
+  embedding-only schemes (sinusoidal, learned: the model's term) run with the first mixer alone;
+  the others run `none` and each scheme whose hooks they apply."""
   families_done = set()
-  for name, mixer_cls in attention.REGISTRY.items():
+  for index, (name, mixer_cls) in enumerate(attention.REGISTRY.items()):
     backends = [b for b in mixer_cls.backends if b in CPU_BACKENDS] or [None]
     seen_hooks = set()
     for position in model_lib.compatible_positions(mixer_cls):
       hooks = positions.REGISTRY[position].hooks()
+      if index and position != "none" and not _applies(mixer_cls, position):
+        continue
       if _family(mixer_cls) in families_done and hooks in seen_hooks:
         continue
       seen_hooks.add(hooks)
@@ -172,7 +182,12 @@ def test_every_registered_name_is_covered():
   assert {"mha", "mqa", "gqa", "linear", "mamba"} <= covered
   by_family = {(_family(attention.REGISTRY[v.values[0]]), v.values[1]) for v in VARIANTS}
   for mixer_cls in attention.REGISTRY.values():
-    assert {(_family(mixer_cls), p) for p in model_lib.compatible_positions(mixer_cls)} <= by_family
+    applied = [p for p in model_lib.compatible_positions(mixer_cls)
+               if p == "none" or _applies(mixer_cls, p)]
+    assert {(_family(mixer_cls), p) for p in applied} <= by_family
+  first = next(iter(attention.REGISTRY))
+  embedding_only = {p for p, cls in positions.REGISTRY.items() if cls.hooks() == {positions.EMBED}}
+  assert embedding_only <= {v.values[1] for v in VARIANTS if v.values[0] == first}
   blockwise = {v.values[1] for v in VARIANTS if v.values[2] == "blockwise"}
   assert blockwise == set(positions.REGISTRY)  # every scheme through the blockwise score path
 
