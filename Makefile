@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench --suite=decode --out=runs/bench
 	$(PY) -m experiments.bench --suite=train --out=runs/bench
 	$(PY) -m experiments.bench --suite=state --out=runs/bench
+	$(PY) -m experiments.bench --suite=recurrent --out=runs/bench
 
 # On a GPU machine, after `pip install -r requirements-gpu.txt` in .venv: under 10 minutes on one
 # H200, appends a dated table to BENCHMARKS.md (experiments/accelerator_check.py).
