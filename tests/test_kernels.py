@@ -313,6 +313,7 @@ def test_state_passed_in_belongs_to_the_first_document_only(mixer):
     naive = lambda q, k, v: reference.retention(q, k, v, gamma, zeros[:1])[0]  # noqa: E731
   prefix, rest = ((x[:, :prefix_length] for x in (q, k, v)),
                   [x[:, prefix_length:] for x in (q, k, v)])
+  chunked = jax.jit(chunked)
   _, state = chunked(*prefix, state=zeros)
   got, _ = chunked(*rest, state=state, segments=SEGMENTS_37)
   want = _per_document(naive, SEGMENTS_37, *rest)
