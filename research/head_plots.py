@@ -174,6 +174,17 @@ def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
   return fig
 
 
+def _pruning_axes(ax, metric, legend_size):
+  """Labels of a metric-against-fraction-removed panel (log scale for perplexity)."""
+  if metric == "perplexity":
+    ax.set_yscale("log")
+    plots._plain_log_ticks(ax.yaxis)  # noqa: SLF001 (one formatter for every figure)
+  ax.set_xlabel("fraction of heads removed")
+  ax.set_ylabel(metric)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=legend_size)
+
+
 def pruning(rows: list[dict], importance_LxN: np.ndarray, metric: str,
             title: str) -> matplotlib.figure.Figure:
   """The metric against the fraction of heads removed (by importance, in random order), and the
@@ -184,13 +195,7 @@ def pruning(rows: list[dict], importance_LxN: np.ndarray, metric: str,
     mine = [r for r in rows if r.get("order") == order]
     ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
             linestyle=style, label=f"{order} order")
-  if metric == "perplexity":
-    ax.set_yscale("log")
-    plots._plain_log_ticks(ax.yaxis)  # noqa: SLF001 (one formatter for every figure)
-  ax.set_xlabel("fraction of heads removed")
-  ax.set_ylabel(metric)
-  ax.grid(alpha=0.3, which="both")
-  ax.legend(fontsize=8)
+  _pruning_axes(ax, metric, legend_size=8)
   image = heat.imshow(importance_LxN, cmap="magma", aspect="auto")
   heat.set_xlabel("head")
   heat.set_ylabel("layer")
@@ -211,11 +216,5 @@ def pruning_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
       ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
               markersize=3, linestyle=style, color=cycle[k % len(cycle)],
               label=f"{run} ({order})")
-  if metric == "perplexity":
-    ax.set_yscale("log")
-    plots._plain_log_ticks(ax.yaxis)  # noqa: SLF001 (one formatter for every figure)
-  ax.set_xlabel("fraction of heads removed")
-  ax.set_ylabel(metric)
-  ax.grid(alpha=0.3, which="both")
-  ax.legend(fontsize=7)
+  _pruning_axes(ax, metric, legend_size=7)
   return fig

@@ -386,14 +386,19 @@ def _naive_retention_mixer(mixer, x_BxLxD):
   return mixer.out(jax.nn.silu(mixer.gate(x_BxLxD)) * normalised)
 
 
-def test_retention_mixer_equals_the_token_by_token_reference_with_gradients():
-  mixer = _mixer("retention", position="xpos", retention=dict(chunk_size=8))
+def _assert_mixer_equals_naive(mixer, naive):
+  """The mixer's forward and gradients (w.r.t. x and every parameter) equal `naive`'s."""
   x = _normal(0, (2, 21, 32))
   got = jax.jit(lambda x: _outputs_and_gradients(
       lambda m, x: m(x, jnp.arange(21)[None]), mixer, x))(x)
-  want = jax.jit(lambda x: _outputs_and_gradients(_naive_retention_mixer, mixer, x))(x)
+  want = jax.jit(lambda x: _outputs_and_gradients(naive, mixer, x))(x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_retention_mixer_equals_the_token_by_token_reference_with_gradients():
+  _assert_mixer_equals_naive(_mixer("retention", position="xpos", retention=dict(chunk_size=8)),
+                             _naive_retention_mixer)
 
 
 def test_retention_output_of_a_slow_decay_head_does_not_grow_with_context():
@@ -462,13 +467,7 @@ def _naive_mamba2_mixer(mixer, u_BxLxD):
 
 
 def test_mamba2_mixer_equals_the_token_by_token_reference_with_gradients():
-  mixer = _mixer("mamba2", position="none")
-  x = _normal(0, (2, 21, 32))
-  got = jax.jit(lambda x: _outputs_and_gradients(
-      lambda m, x: m(x, jnp.arange(21)[None]), mixer, x))(x)
-  want = jax.jit(lambda x: _outputs_and_gradients(_naive_mamba2_mixer, mixer, x))(x)
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+  _assert_mixer_equals_naive(_mixer("mamba2", position="none"), _naive_mamba2_mixer)
 
 
 def _gated_delta_rule_per_document(q, k, v, log_decay, beta, state):
