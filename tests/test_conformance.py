@@ -160,7 +160,12 @@ def test_packed_documents_equal_each_document_alone(name, position, backend, win
   assert float(jnp.abs(unpacked[0, 6:] - packed[0, 6:]).max()) > 1e-4
 
 
-@pytest.mark.parametrize(PARAMETERS, VARIANTS)
+# Sharding depends on the parameters' logical axes, not on the softmax backend: the sharded
+# check runs once per mixer x scheme (the xla backend where a mixer has two).
+SHARDED = [v for v in VARIANTS if v.values[2] != "blockwise" or v.values[3] is not None]
+
+
+@pytest.mark.parametrize(PARAMETERS, SHARDED)
 def test_sharded_equals_unsharded(name, position, backend, window):
   state, _, forward, _, _ = _compiled(name, position, backend, window)
   tokens = _tokens(2)
