@@ -215,7 +215,7 @@ def run(args):
         row = measure_point(kernel, length, dtype, budget, history)
       except Exception as error:  # pylint: disable=broad-except  # one kernel must not stop all
         row = _blank_row(kernel, length, dtype)
-        row["skipped"] = f"error: {type(error).__name__}: {str(error)[:120]}".splitlines()[0]
+        row["skipped"] = report.error_reason(error, 120)
       if row["time_ms"] is not None:
         history.append((length, row["time_ms"] / 1e3))
       print(report.progress_line(row), flush=True)

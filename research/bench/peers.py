@@ -456,7 +456,7 @@ def time_rows(case, title, calls, repeats, skipped=None):
   try:
     times = timing.interleaved_seconds(calls, repeats)
   except Exception as error:  # pylint: disable=broad-except  # one case must not stop the rest
-    reason = f"error: {type(error).__name__}: {str(error)[:200]}".splitlines()[0]
+    reason = report.error_reason(error, 200)
     times = {}
     skipped.update({key: reason for key in calls})
   rows = []

@@ -98,7 +98,7 @@ def _inputs(length, dtype):
 
 def _skipped(name, part, form, length, error):
   return {"mixer": name, "part": part, "form": form, "length": length,
-          "skipped": f"error: {type(error).__name__}: {str(error)[:160]}".splitlines()[0]}
+          "skipped": report.error_reason(error)}
 
 
 def mixer_rows(name, settings, dtype):

@@ -120,6 +120,11 @@ def pivot(rows, index, columns, value, fmt, missing="—"):
   return markdown_table([f"{index} \\ {columns}"] + keys, body)
 
 
+def error_reason(error, limit=160):
+  """One line naming an exception, for a row's `skipped` field."""
+  return f"error: {type(error).__name__}: {str(error)[:limit]}".splitlines()[0]
+
+
 def progress_line(row):
   """One short line per measured point, for the console."""
   return "  ".join(f"{k}={v}" for k, v in row.items() if v not in (None, ""))

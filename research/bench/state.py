@@ -54,7 +54,7 @@ TARGETS = {"window": 1 / 8, "prefill": 10.0}  # window / full time at most; pref
 
 def _skipped(part, series, error, **fields):
   return {"part": part, "series": series, **fields,
-          "skipped": f"error: {type(error).__name__}: {str(error)[:160]}".splitlines()[0]}
+          "skipped": report.error_reason(error)}
 
 
 def _medians(calls, repeats):
