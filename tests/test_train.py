@@ -78,7 +78,7 @@ def test_mesh_shapes_match_one_device(mesh_shape, one_device_losses, tmp_path):
 
 
 def test_sigkill_and_restart_gives_bit_identical_parameters(tmp_path):
-  steps = ["--config.train.num_steps=40", "--config.train.checkpoint_every=3"]
+  steps = ["--config.train.num_steps=24", "--config.train.checkpoint_every=4"]
   reference, resumed = str(tmp_path / "reference"), str(tmp_path / "resumed")
   _run(reference, *steps)
   process = subprocess.Popen(_train_command(resumed, *steps), env=_env(8), cwd=ROOT,
@@ -336,20 +336,20 @@ def test_a_run_that_failed_before_its_first_checkpoint_restarts_with_a_fixed_con
 
 _DISK_FAULTS = textwrap.dedent("""
     # In a mount namespace of our own: a 16 MiB tmpfs workdir that turns read-only once
-    # checkpoint 50 is complete, then (resumed) full once checkpoint 100 is: the next save is
-    # 50 steps away. Prints each run's exit status and the milliseconds from fault to exit.
+    # checkpoint 20 is complete, then (resumed) full once checkpoint 40 is: the next save is
+    # 20 steps away. Prints each run's exit status and the milliseconds from fault to exit.
     set -u
     mount -t tmpfs -o size=16m tmpfs "$DISK"
     train="$PYTHON -m experiments.train --config=$CONFIG --workdir=$DISK/run
            --config.train.num_steps=100000 --config.train.warmup_steps=2
-           --config.train.checkpoint_every=50 --config.train.log_every=50"
+           --config.train.checkpoint_every=20 --config.train.log_every=20"
     $train 2> "$OUT/read_only.err" > /dev/null &
-    until [ -d "$DISK/run/checkpoints/50" ] || ! kill -0 $!; do sleep 0.05; done
+    until [ -d "$DISK/run/checkpoints/20" ] || ! kill -0 $!; do sleep 0.05; done
     mount -o remount,ro "$DISK"; start=$(date +%s%N)
     wait $!; echo "read_only $? $(( ($(date +%s%N) - start) / 1000000 ))"
     mount -o remount,rw "$DISK"
     $train 2> "$OUT/full.err" > /dev/null &
-    until [ -d "$DISK/run/checkpoints/100" ] || ! kill -0 $!; do sleep 0.05; done
+    until [ -d "$DISK/run/checkpoints/40" ] || ! kill -0 $!; do sleep 0.05; done
     cat /dev/zero > "$DISK/filler" 2> /dev/null; start=$(date +%s%N)
     wait $!; echo "full $? $(( ($(date +%s%N) - start) / 1000000 ))"
     rm "$DISK/filler"; cp -r "$DISK/run" "$OUT/run"
@@ -365,16 +365,16 @@ def test_a_disk_that_turns_read_only_or_full_stops_the_run_within_seconds(tmp_pa
                           capture_output=True, text=True, timeout=600)
   outcomes = {name: (int(rc), int(milliseconds) / 1000)
               for name, rc, milliseconds in (line.split() for line in result.stdout.splitlines())}
-  for name, step, reason in (("read_only", 100, "Read-only file system"),
-                             ("full", 150, "No space left on device")):
+  for name, step, reason in (("read_only", 40, "Read-only file system"),
+                             ("full", 60, "No space left on device")):
     rc, seconds = outcomes[name]
     errors = open(tmp_path / f"{name}.err").read()
     assert rc == 1 and seconds < 30, (name, outcomes, errors[-2000:])
     assert "Traceback" not in errors, errors[-2000:]
     (line,) = [line for line in errors.splitlines() if line.startswith("error:")]
     assert line.startswith(f"error: cannot write checkpoint {step} ") and reason in line, line
-    assert f"the last complete checkpoint (step {step - 50}) is intact" in line
-  assert checkpoints.steps(str(tmp_path / "run")) == [50, 100]
+    assert f"the last complete checkpoint (step {step - 20}) is intact" in line
+  assert checkpoints.steps(str(tmp_path / "run")) == [20, 40]
   with ocp.CheckpointManager(checkpoints.directory(str(tmp_path / "run"))) as manager:
-    restored = manager.restore(100, args=ocp.args.StandardRestore())
-  assert int(restored["step"]) == 100
+    restored = manager.restore(40, args=ocp.args.StandardRestore())
+  assert int(restored["step"]) == 40
