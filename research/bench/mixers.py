@@ -9,7 +9,9 @@ temporary memory or forecast run time is over budget (then the skip and its reas
 
 Kernels: softmax `xla` (jax.nn.dot_product_attention, causal), `blockwise` (exact, online
 softmax), `blockwise_<scheme>` for every registered position scheme with a score bias (the bias
-evaluated per tile, gradients to its parameters included), `cudnn` (GPU only); `linear`
+evaluated per tile, gradients to its parameters included), `blockwise_fox` (the Forgetting
+Transformer's data-dependent forget-gate bias per tile, gradients to the gate logits), `cudnn`
+(GPU only); `linear`
 (chunked) against `linear_naive` (materialised cumulative sum); `mamba` (chunked scan,
 model.mamba.scan="auto") against `mamba_assoc` (one associative scan over all states) and
 `mamba_sequential` (lax.scan, one step per token).
@@ -27,6 +29,7 @@ from configs import base
 from research import positions
 from research.attention import reference
 from research.attention.blockwise import blockwise_attention
+from research.attention.fox import forget_bias
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
 from research.attention.ssm import chunked_selective_scan, scan_for_backend
 from research.bench import report
@@ -89,6 +92,18 @@ def _bias_kernel(name):
   return Kernel(f"blockwise_{name}", "softmax", fn, _attention_shapes, params)
 
 
+def _fox_shapes(length):
+  return _attention_shapes(length) + [(BATCH, length, HEADS)]
+
+
+def _blockwise_fox(q, k, v, gate_logits):
+  """FoX's blockwise path: the forget-gate bias c_i - c_j of each tile from the cumulative log
+  gates c (research/attention/fox.py), differentiated through to the gate logits."""
+  c_BxTxN = jnp.cumsum(jax.nn.log_sigmoid(gate_logits.astype(jnp.float32)), axis=1)
+  return blockwise_attention(q, k, v, c_BxTxN, lambda _, q_c, k_c: forget_bias(q_c, k_c),
+                             block_size=BLOCK_SIZE)
+
+
 def _linear(q, k, v):
   state = (jnp.zeros((BATCH, HEADS, HEAD_DIM, HEAD_DIM), jnp.float32),
            jnp.zeros((BATCH, HEADS, HEAD_DIM), jnp.float32))
@@ -120,6 +135,7 @@ def kernels(backend=None):
            Kernel("blockwise", "softmax", _blockwise, _attention_shapes)]
   table += [_bias_kernel(name) for name, cls in positions.REGISTRY.items()
             if positions.BIAS in cls.hooks()]
+  table.append(Kernel("blockwise_fox", "softmax", _blockwise_fox, _fox_shapes))
   if backend == "gpu":
     table.append(Kernel("cudnn", "softmax", _cudnn, _attention_shapes))
   table += [Kernel("linear", "linear", _linear, _attention_shapes),
