@@ -10,6 +10,7 @@ overridden on the command line, e.g.
 import ml_collections
 
 from research import attention
+from research import feed_forward
 from research import positions
 
 
@@ -25,15 +26,17 @@ def get_config():
   m.d_model = 128
   m.num_heads = 4
   m.num_kv_heads = 4  # gqa only; mha uses num_heads, mqa uses 1
-  m.mlp_ratio = 4  # 0 drops the MLP (pure Mamba-style stacks)
+  m.feed_forward = "mlp"  # research.feed_forward.REGISTRY: mlp | moe (mixture of experts)
+  m.feed_forward_pattern = ()  # per layer, tiled to num_layers: Jamba's ("mlp", "moe")
+  m.mlp_ratio = 4  # hidden width / d_model of the MLP and of each expert; 0 drops the feed-forward
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
   m.attention_backend = "xla"  # softmax attention: xla | blockwise | cudnn
   m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
   m.randomize_max_length = 0  # > 0: randomized positions in [0, M) in training (arXiv:2305.16843)
-  # Each registered mixer and position scheme declares its own hyperparameters; they appear here
-  # as sub-dicts under their names, e.g. model.rope.scaling, model.fire.hidden, model.softmax.
-  # block_size, model.linear.chunk_size, model.mamba.state_size.
-  for registry in (attention.REGISTRY, positions.REGISTRY):
+  # Each registered mixer, position scheme and feed-forward declares its own hyperparameters;
+  # they appear here as sub-dicts under their names, e.g. model.rope.scaling, model.fire.hidden,
+  # model.softmax.block_size, model.linear.chunk_size, model.mamba.state_size, model.moe.top_k.
+  for registry in (attention.REGISTRY, positions.REGISTRY, feed_forward.REGISTRY):
     for key, defaults in registry.default_settings().items():
       m[key] = ml_collections.ConfigDict(defaults)
 

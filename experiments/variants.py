@@ -1,4 +1,5 @@
-"""Print the attention x position compatibility table with parameter counts (for the README).
+"""Print the attention x position compatibility table with parameter counts, and the
+feed-forwards with theirs (for the README).
 
   python -m experiments.variants [--config.model.d_model=256 ...]
 """
@@ -8,6 +9,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from research import attention
+from research import feed_forward
 from research import model as model_lib
 from research import positions
 
@@ -43,6 +45,17 @@ def main(argv):
     hooks = ", ".join(sorted(scheme_cls.hooks())) or "-"
     per_layer = "no" if scheme_cls.shared_across_layers else "yes"
     print(f"| {name} | {hooks} | {model_lib.count_params(model) - plain:,} | {per_layer} |")
+  print("\nFeed-forwards (model.feed_forward, every layer; mha, no position scheme): parameters, "
+        "and those a token's matmuls use (a mixture of experts runs top_k of its experts).\n")
+  print("| feed-forward | hyperparameters | parameters | per token |")
+  print("|---|---|---|---|")
+  for name in feed_forward.REGISTRY:
+    config.position, config.feed_forward = "none", name
+    model = nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0)))
+    settings = feed_forward.REGISTRY.settings(name, config)
+    hyperparameters = ", ".join(f"{k}={v}" for k, v in settings.items()) or "-"
+    print(f"| {name} | {hyperparameters} | {model_lib.count_params(model):,} | "
+          f"{model_lib.count_params(model, embeddings=False):,} |")
 
 
 

@@ -1,12 +1,15 @@
 """Decoder-only language model assembled from the registries.
 
   h_0 = embed(tokens) [+ position embedding term]
-  h_l = h'_l + MLP(RMSNorm(h'_l)),  h'_l = h_{l-1} + Mixer_l(RMSNorm(h_{l-1}))   (pre-norm)
-  logits = head(RMSNorm(h_L))                                                 (float32)
-Mixer_l is model.attention, or model.layer_pattern[l % len(pattern)] for hybrids. In a hybrid,
-recurrent layers (mamba) run without a qk or bias position scheme that the attention layers take,
-as in Jamba (arXiv:2403.19887). Every block is mixer + MLP so that variants differ only in the
-mixer; model.mlp_ratio = 0 drops the MLP (the Mamba paper's stack).
+  h_l = h'_l + FF_l(RMSNorm(h'_l)),  h'_l = h_{l-1} + Mixer_l(RMSNorm(h_{l-1}))   (pre-norm)
+  logits = head(RMSNorm(h_L))                                                  (float32)
+Mixer_l is model.attention, or model.layer_pattern[l % len(pattern)] for hybrids; FF_l, the
+feed-forward (research.feed_forward: an MLP, a mixture of experts), is model.feed_forward, or
+model.feed_forward_pattern[l % len(pattern)]. In a hybrid, recurrent layers (mamba) run without a
+qk or bias position scheme that the attention layers take, as in Jamba (arXiv:2403.19887), whose
+pattern is attention:Mamba 1:7 with a mixture of experts every other layer (configs/jamba.py).
+Every block is mixer + MLP by default so that variants differ only in the mixer;
+model.mlp_ratio = 0 drops the feed-forward (the Mamba paper's stack).
 
 Positions are per token, [B, L] (B = 1 when all rows share them). In evaluation and decoding they
 are 0, 1, 2, ...; in training, `training_positions` may draw them: with
@@ -26,23 +29,35 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research import attention
+from research import feed_forward
 from research import nn
 from research.attention import masks
 from research import positions as positions_lib
 from research import sharding
+from research.feed_forward import moe
 
 
 class IncompatibleError(ValueError):
   """A valid attention type and position scheme that do not go together (sweeps skip these)."""
 
 
-def layer_types(model_config):
-  """The attention type of each layer."""
-  pattern = tuple(model_config.layer_pattern) or (model_config.attention,)
+def _tiled(model_config, pattern_field, default_field):
+  """model.<pattern_field> tiled to model.num_layers, or model.<default_field> for every layer."""
+  pattern = tuple(model_config[pattern_field]) or (model_config[default_field],)
   if model_config.num_layers < 1 or model_config.num_layers % len(pattern):
     raise ValueError(f"model.num_layers={model_config.num_layers} must be a positive multiple of "
-                     f"len(model.layer_pattern)={len(pattern)}")
+                     f"len(model.{pattern_field})={len(pattern)}")
   return tuple(pattern[i % len(pattern)] for i in range(model_config.num_layers))
+
+
+def layer_types(model_config):
+  """The attention type of each layer."""
+  return _tiled(model_config, "layer_pattern", "attention")
+
+
+def feed_forward_types(model_config):
+  """The feed-forward of each layer."""
+  return _tiled(model_config, "feed_forward_pattern", "feed_forward")
 
 
 def _honours(mixer_cls, scheme_cls):
@@ -69,6 +84,10 @@ def validate(model_config):
   for name in ("mlp_ratio", "randomize_max_length"):
     if model_config[name] < 0:
       raise ValueError(f"model.{name} must be >= 0 (0 turns it off), got {model_config[name]}")
+  pattern = "model.feed_forward_pattern" if model_config.feed_forward_pattern else None
+  for name in dict.fromkeys(feed_forward_types(model_config)):
+    feed_forward.REGISTRY.lookup(name, pattern).validate(
+        feed_forward.REGISTRY.settings(name, model_config), model_config)
   scheme = positions_lib.REGISTRY.lookup(model_config.position)
   hybrid = len(mixers) > 1
   for name, mixer_cls in mixers.items():
@@ -102,38 +121,43 @@ def validate_lengths(model_config, train_length, eval_lengths):
                        f"rows are trained only with model.randomize_max_length)")
 
 
-class MLP(nnx.Module):
-
-  def __init__(self, d_model, hidden, *, rngs, dtype):
-    self.up = nn.dense("BLD,DF->BLF", (d_model, hidden), ("embed", "mlp"), rngs=rngs, dtype=dtype)
-    self.down = nn.dense("BLF,FD->BLD", (hidden, d_model), ("mlp", "embed"), rngs=rngs, dtype=dtype)
-
-  def __call__(self, x_BxLxD):
-    return self.down(jax.nn.gelu(self.up(x_BxLxD)))
-
-
 class Block(nnx.Module):
 
-  def __init__(self, mixer, model_config, *, rngs):
+  def __init__(self, mixer, feed_forward_name, model_config, *, rngs):
     d, dtype = model_config.d_model, nn.compute_dtype(model_config)
     self.mixer_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype)
     self.mixer = mixer
-    self.mlp_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype) if model_config.mlp_ratio else None
-    self.mlp = (MLP(d, model_config.mlp_ratio * d, rngs=rngs, dtype=dtype)
-                if model_config.mlp_ratio else None)
-
-  def _feed_forward(self, x):
-    if self.mlp is None:
-      return x
-    return x + self.mlp(self.mlp_norm(x))
+    # Named `mlp` whatever the feed-forward, as before there was a choice: checkpoints keep
+    # their parameter paths.
+    kept = bool(model_config.mlp_ratio)
+    self.mlp_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype) if kept else None
+    self.mlp = feed_forward.REGISTRY.lookup(feed_forward_name)(
+        model_config, feed_forward.REGISTRY.settings(feed_forward_name, model_config),
+        rngs=rngs) if kept else None
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     x = x_BxLxD + self.mixer(self.mixer_norm(x_BxLxD), positions_BxL, segments_BxL)
-    return sharding.constrain(self._feed_forward(x), ("batch", "length", "embed"))
+    if self.mlp is not None:
+      x = x + self.mlp(self.mlp_norm(x), segments_BxL)
+    return sharding.constrain(x, ("batch", "length", "embed"))
+
+  def init_cache(self, batch_size, max_length):
+    return {"mixer": self.mixer.init_cache(batch_size, max_length),
+            "feed_forward": (None if self.mlp is None
+                             else self.mlp.init_cache(batch_size, max_length))}
 
   def decode(self, x_BxTxD, cache, index):
-    y, cache = self.mixer.decode(self.mixer_norm(x_BxTxD), cache, index)
-    return self._feed_forward(x_BxTxD + y), cache
+    y, mixer_cache = self.mixer.decode(self.mixer_norm(x_BxTxD), cache["mixer"], index)
+    x, feed_forward_cache = x_BxTxD + y, cache["feed_forward"]
+    if self.mlp is not None:
+      y, feed_forward_cache = self.mlp.decode(self.mlp_norm(x), feed_forward_cache, index)
+      x = x + y
+    return x, {"mixer": mixer_cache, "feed_forward": feed_forward_cache}
+
+  def cache_bytes(self, batch_size, context_length):
+    state = jax.eval_shape(lambda: None if self.mlp is None
+                           else self.mlp.init_cache(batch_size, context_length))
+    return self.mixer.cache_bytes(batch_size, context_length) + nn.tree_bytes(state)
 
 
 class LanguageModel(nnx.Module):
@@ -151,7 +175,8 @@ class LanguageModel(nnx.Module):
     self.embed = nn.embed(model_config.vocab_size, d, ("vocab", "embed"), rngs=rngs, dtype=dtype,
                           stddev=1.0)
     blocks = []
-    for name in layer_types(model_config):
+    for name, feed_forward_name in zip(layer_types(model_config),
+                                       feed_forward_types(model_config)):
       mixer_cls = attention.REGISTRY.lookup(name)
       if not _honours(mixer_cls, scheme):  # a hybrid's recurrent layer
         position = positions_lib.NoPosition(None, model_config, rngs=rngs)
@@ -159,7 +184,7 @@ class LanguageModel(nnx.Module):
         position = self.position or positions_lib.build(model_config, rngs=rngs)
       mixer = mixer_cls(attention.REGISTRY.settings(name, model_config), model_config, position,
                         rngs=rngs)
-      blocks.append(Block(mixer, model_config, rngs=rngs))
+      blocks.append(Block(mixer, feed_forward_name, model_config, rngs=rngs))
     self.blocks = nnx.List(blocks)
     self.final_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype)
     self.head = nn.dense("BLD,DV->BLV", (d, model_config.vocab_size), ("embed", "vocab"),
@@ -218,7 +243,7 @@ class LanguageModel(nnx.Module):
 
   def init_cache(self, batch_size, max_length):
     return {"index": jnp.zeros((), jnp.int32),
-            "layers": [block.mixer.init_cache(batch_size, max_length) for block in self.blocks]}
+            "layers": [block.init_cache(batch_size, max_length) for block in self.blocks]}
 
   def prefill(self, tokens_BxT, cache):
     """Logits of a prompt (or the next chunk of one) and the cache filled with it, in one
@@ -239,7 +264,7 @@ class LanguageModel(nnx.Module):
 
   def cache_bytes(self, batch_size, context_length):
     """Bytes of the decode cache (KV cache or recurrent state) over all layers."""
-    return sum(block.mixer.cache_bytes(batch_size, context_length) for block in self.blocks)
+    return sum(block.cache_bytes(batch_size, context_length) for block in self.blocks)
 
 
 def build_model(model_config, *, rngs):
@@ -253,9 +278,12 @@ def _size(module):
 
 def count_params(model, *, embeddings=True):
   """Number of parameters. embeddings=False counts only those used in matmuls per token (for
-  FLOPs): without the token embedding table and the position schemes' parameters."""
+  FLOPs): without the token embedding table, the position schemes' parameters and the experts of
+  a mixture of experts that a token is not routed to."""
   total = _size(model)
   if embeddings:
     return total
-  schemes = {id(m): m for _, m in nnx.iter_graph(model) if isinstance(m, positions_lib.PositionScheme)}
-  return total - _size(model.embed) - sum(_size(m) for m in schemes.values())
+  modules = {id(m): m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}.values()
+  schemes = sum(_size(m) for m in modules if isinstance(m, positions_lib.PositionScheme))
+  idle = sum(m.idle_params_per_token() for m in modules if isinstance(m, moe.MixtureOfExperts))
+  return total - _size(model.embed) - schemes - idle

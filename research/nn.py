@@ -5,6 +5,9 @@ Every parameter carries two pieces of metadata where it is created:
   weight_decay   whether AdamW decays it (`research.train` builds its mask from this alone).
 """
 
+import math
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -49,3 +52,8 @@ def embed(num_embeddings, features, axes, *, rngs, dtype, stddev, weight_decay=T
                    embedding_init=nnx.initializers.normal(stddev),
                    embedding_metadata={"logical_axes": tuple(axes), "weight_decay": weight_decay},
                    rngs=rngs)
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of the arrays (or ShapeDtypeStructs) of a pytree, e.g. a decode cache's shapes."""
+  return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

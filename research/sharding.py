@@ -1,7 +1,8 @@
 """Mesh and logical axis rules: one table maps the model's axis names to mesh axes.
 
 The mesh has three axes: `data` (pure data parallelism), `fsdp` (data parallelism with
-parameters sharded over it too) and `tensor` (heads and MLP hidden units split across devices).
+parameters sharded over it too) and `tensor` (heads, MLP hidden units and the experts of a mixture
+of experts split across devices).
 A logical axis maps to its mesh axes only where the dimension divides evenly, so for example
 MQA's single key/value head stays replicated when `tensor` > 1.
 """
@@ -21,6 +22,8 @@ RULES = {
     "vocab": None,
     "embed": "fsdp",
     "mlp": "tensor",
+    # A mixture of experts' stacked expert weights: its hidden units then stay whole per device.
+    "expert": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
     "head_dim": None,

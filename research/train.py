@@ -9,6 +9,10 @@ resume by rerunning the same command (the batch of step s is a pure function of 
 process, so resuming needs no data state). One writer per workdir (research.workdir_lock). Runs
 unchanged on CPU, GPU or TPU, one process or many (jax.distributed).
 
+The objective is the mean next-token cross-entropy over the scored tokens plus the auxiliary
+losses the layers sow (a mixture of experts' load balancing; research.feed_forward.base); the
+logged `loss` is the cross-entropy alone, the auxiliary losses are logged beside it.
+
 Sections: 1 set-up and checks; 2 state, created sharded; 3 the step; 4 checkpoints; 5 the loop.
 """
 
@@ -26,6 +30,7 @@ from research import checkpoints
 from research import checks
 from research import data
 from research import evaluate
+from research import feed_forward
 from research import flops
 from research import model as model_lib
 from research import sharding
@@ -76,6 +81,19 @@ def make_optimizer(config):
   return optimizer, schedule
 
 
+def loss_sum(model, batch):
+  """The objective of a (micro-)batch as a sum over its scored tokens: the summed cross-entropy
+  plus the layers' auxiliary losses times the number of scored tokens (so that dividing by the
+  tokens of the whole batch gives the mean cross-entropy plus the auxiliary losses). Also
+  returns (summed cross-entropy, {name: auxiliary loss}, empty for a model that sows none)."""
+  logits, sown = nnx.capture(evaluate.apply, feed_forward.AuxiliaryLoss)(model, batch)
+  nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  nll_sum = (nll * batch["loss_mask"]).sum()
+  auxiliary = feed_forward.auxiliary_losses(sown)
+  objective = nll_sum + auxiliary.get(feed_forward.OBJECTIVE, 0.0) * batch["loss_mask"].sum()
+  return objective, (nll_sum, auxiliary)
+
+
 def make_init_state(config, optimizer):
   """The function that creates the train state: step, parameters (nnx.State), optimizer state."""
 
@@ -120,10 +138,8 @@ def _train(config, workdir, mesh, is_writer):
   batch_sharding = sharding.batch_sharding(mesh)
 
   # ---- 3. The step: gradient accumulation over micro-batches, then one optimizer update.
-  def loss_sum(params, batch):
-    logits = evaluate.apply(nnx.merge(graphdef, params), batch)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return (nll * batch["loss_mask"]).sum()
+  def params_loss_sum(params, batch):
+    return loss_sum(nnx.merge(graphdef, params), batch)
 
   def train_step(state, batch):
     # Packed documents (data.packing="documents") bring their segments and positions in the
@@ -141,17 +157,19 @@ def _train(config, workdir, mesh, is_writer):
         lambda x: x.reshape(-1, t.grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
     def accumulate(grads_and_nll, micro_batch):
-      nll, grads = jax.value_and_grad(loss_sum)(state["params"], micro_batch)
-      return jax.tree.map(jnp.add, grads_and_nll, (grads, nll)), None
+      (_, (nll, auxiliary)), grads = jax.value_and_grad(params_loss_sum, has_aux=True)(
+          state["params"], micro_batch)
+      return jax.tree.map(jnp.add, grads_and_nll, (grads, nll)), auxiliary
 
     zeros = (jax.tree.map(jnp.zeros_like, state["params"]), jnp.zeros((), jnp.float32))
-    (grads, nll), _ = jax.lax.scan(accumulate, zeros, micro)
+    (grads, nll), auxiliary = jax.lax.scan(accumulate, zeros, micro)
     tokens = jnp.maximum(batch["loss_mask"].sum(), 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics = {"loss": nll / tokens, "grad_norm": optax.global_norm(grads),
                "param_norm": optax.global_norm(params), "learning_rate": schedule(state["step"]),
+               "auxiliary": jax.tree.map(jnp.mean, auxiliary),  # over the micro-batches
                "params_finite": jnp.all(jnp.stack([jnp.isfinite(p).all()
                                                    for p in jax.tree.leaves(params)]))}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
@@ -227,7 +245,8 @@ def _train(config, workdir, mesh, is_writer):
                   "grad_norm": float(last["grad_norm"]), "param_norm": float(last["param_norm"]),
                   "tokens_per_second": tokens_per_second,
                   "step_time": elapsed / window_steps,
-                  "mfu": flops.mfu(flops_per_token, tokens_per_second, peak)}
+                  "mfu": flops.mfu(flops_per_token, tokens_per_second, peak),
+                  **{name: float(value) for name, value in last["auxiliary"].items()}}
         if t.eval_every and done % t.eval_every == 0 or done == t.num_steps:
           record["validation_loss"] = evaluate.validation_loss(eval_step, state["params"], config,
                                                                mesh)

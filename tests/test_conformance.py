@@ -1,10 +1,12 @@
-"""Conformance suite: every registered attention type x compatible position x CPU backend.
+"""Conformance suite: every registered attention type x compatible position x CPU backend, and
+every feed-forward.
 
 Adding a variant to research.attention.REGISTRY (or a scheme to research.positions.REGISTRY)
 adds it here: shapes and dtypes, causality, finite gradients, prefill in chunks then decode ==
 full forward (state carried across chunks), a packed row of documents == each document alone,
 and the same logits under an 8-device mesh with the sharding rules. Softmax attention also runs
-with a sliding window and sinks (the rolling decode cache).
+with a sliding window and sinks (the rolling decode cache). Each feed-forward besides the MLP
+(research.feed_forward.REGISTRY) runs once, with the first mixer.
 """
 
 import functools
@@ -17,6 +19,7 @@ from flax import nnx
 
 import research
 from research import attention, model as model_lib, positions, sharding
+from research import feed_forward as feed_forward_lib
 from tests.conftest import tiny_model_config
 
 # Not multiples of the block / chunk size 8; the second chunk (6 tokens, written at index 7) is
@@ -63,23 +66,26 @@ def _variants():
         continue
       seen_hooks.add(hooks)
       for backend in backends:
-        yield pytest.param(name, position, backend, None,
+        yield pytest.param(name, position, backend, None, "mlp",
                            id="-".join(x for x in (name, position, backend) if x))
     families_done.add(_family(mixer_cls))
   for name, position, backend, (window, sinks) in WINDOWED:
-    yield pytest.param(name, position, backend, (window, sinks),
+    yield pytest.param(name, position, backend, (window, sinks), "mlp",
                        id=f"{name}-{position}-{backend}-window{window}-sinks{sinks}")
+  for name in feed_forward_lib.REGISTRY:
+    if name != "mlp":
+      yield pytest.param("mha", "rope", "xla", None, name, id=f"mha-rope-xla-{name}")
 
 
 VARIANTS = list(_variants())
-PARAMETERS = "name,position,backend,window"
+PARAMETERS = "name,position,backend,window,feed_forward"
 
 
 @functools.cache
-def _compiled(name, position, backend, window=None):
+def _compiled(name, position, backend, window=None, feed_forward="mlp"):
   """The variant's state, jitted (gradient, logits) / forward / decode functions, empty cache."""
   settings = {} if window is None else {"softmax": dict(window=window[0], sinks=window[1])}
-  config = tiny_model_config(attention=name, position=position,
+  config = tiny_model_config(attention=name, position=position, feed_forward=feed_forward,
                              attention_backend=backend or "xla", **settings)
   graphdef, state = nnx.split(research.build_model(config, rngs=nnx.Rngs(0)))
 
@@ -105,8 +111,8 @@ def _tokens(seed=0, vocab=61):
 
 
 @pytest.mark.parametrize(PARAMETERS, VARIANTS)
-def test_shapes_causality_and_gradients(name, position, backend, window):
-  state, grad_and_logits, _, _, _ = _compiled(name, position, backend, window)
+def test_shapes_causality_and_gradients(name, position, backend, window, feed_forward):
+  state, grad_and_logits, _, _, _ = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens()
   grads, logits = grad_and_logits(state, tokens)
   assert logits.shape == (BATCH, LENGTH, 61) and logits.dtype == jnp.float32
@@ -122,9 +128,11 @@ def test_shapes_causality_and_gradients(name, position, backend, window):
 
 
 @pytest.mark.parametrize(PARAMETERS, VARIANTS)
-def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, backend, window):
+def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, backend, window,
+                                                            feed_forward):
   """forward([a; b; c...]) == prefill(a), prefill(b) from a's state, then one token at a time."""
-  state, grad_and_logits, _, decode, cache = _compiled(name, position, backend, window)
+  state, grad_and_logits, _, decode, cache = _compiled(name, position, backend, window,
+                                                       feed_forward)
   tokens = _tokens(1)
   expected = grad_and_logits(state, tokens)[1]
   middle = PREFILL + SECOND_CHUNK
@@ -139,12 +147,12 @@ def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, back
 
 
 @pytest.mark.parametrize(PARAMETERS, VARIANTS)
-def test_packed_documents_equal_each_document_alone(name, position, backend, window):
+def test_packed_documents_equal_each_document_alone(name, position, backend, window, feed_forward):
   """A row of packed documents (segment ids, positions restarting per document) gives each
   document the logits it gets alone, at the start of a row (causality makes what follows it in
   that row irrelevant, so one compiled shape serves every document; a row of one segment is a
   document alone)."""
-  state, _, forward, _, _ = _compiled(name, position, backend, window)
+  state, _, forward, _, _ = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens(3)
   one_document = jnp.zeros((BATCH, LENGTH), jnp.int32)
   packed = forward(state, tokens, jnp.asarray(SEGMENTS))
@@ -166,8 +174,8 @@ SHARDED = [v for v in VARIANTS if v.values[2] != "blockwise" or v.values[3] is n
 
 
 @pytest.mark.parametrize(PARAMETERS, SHARDED)
-def test_sharded_equals_unsharded(name, position, backend, window):
-  state, _, forward, _, _ = _compiled(name, position, backend, window)
+def test_sharded_equals_unsharded(name, position, backend, window, feed_forward):
+  state, _, forward, _, _ = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens(2)
   expected = forward(state, tokens, jnp.asarray(SEGMENTS))  # packed rows, sharded or not
   mesh = sharding.make_mesh((2, 2, 2))

@@ -51,11 +51,13 @@ def test_recurrent_state_does_not_grow_with_context(name):
 
 
 def test_hybrid_layer_pattern_decodes_like_its_forward():
-  """Jamba-style: mamba, mamba, then attention with RoPE (mamba layers run without it)."""
+  """Jamba-style: mamba, mamba, then attention with RoPE (mamba layers run without it), and a
+  mixture of experts in the middle layer."""
   config = tiny_model_config(layer_pattern=("mamba", "mamba", "gqa"), num_layers=3,
-                             position="rope")
+                             position="rope", feed_forward_pattern=("mlp", "moe", "mlp"))
   model = research.build_model(config, rngs=nnx.Rngs(0))
   assert [type(b.mixer).__name__ for b in model.blocks] == ["Mamba", "Mamba", "GQA"]
+  assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MixtureOfExperts", "MLP"]
   tokens = jax.random.randint(jax.random.key(1), (2, 11), 0, config.vocab_size)
   full = jax.jit(lambda m, t: m(t))(model, tokens)
   decode = jax.jit(lambda m, t, c: m.decode(t, c))
@@ -114,6 +116,13 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(compute_dtype="fp8"), "unknown model.compute_dtype 'fp8'; valid: float32, bfloat16"),
     (dict(rope=dict(scaling="linear")), "unknown rotary scaling 'linear'; valid: none, pi, static_ntk, dynamic_ntk, yarn"),
     (dict(mlp_ratio=-1), "model.mlp_ratio must be >= 0"),
+    (dict(feed_forward="dense"), "unknown feed-forward 'dense' in model.feed_forward; valid: mlp, moe"),
+    (dict(feed_forward_pattern=("mlp", "swiglu"), num_layers=2), "unknown feed-forward 'swiglu' in model.feed_forward_pattern"),
+    (dict(feed_forward_pattern=("mlp", "moe"), num_layers=3), r"num_layers=3 must be a positive multiple of len\(model.feed_forward_pattern\)=2"),
+    (dict(feed_forward="moe", moe=dict(num_experts=1)), "model.moe.num_experts=1 is below model.moe.top_k=2; valid: an integer >= 2"),
+    (dict(feed_forward="moe", moe=dict(top_k=0)), "model.moe.top_k=0 must be an integer >= 1"),
+    (dict(feed_forward="moe", moe=dict(capacity=1.25)), "unknown field.*model.moe.capacity.*valid: model.moe.load_balancing_weight, model.moe.num_experts"),
+    (dict(feed_forward="moe", mlp_ratio=0), "model.mlp_ratio=0 drops every feed-forward.*use model.mlp_ratio >= 1"),
     (dict(randomize_max_length=-2), "model.randomize_max_length must be >= 0"),
     (dict(softmax=dict(block_size=0)), "model.softmax.block_size must be >= 1"),
     (dict(attention="linear", position="none", linear=dict(chunk_size=0)), "model.linear.chunk_size must be >= 1"),

@@ -153,6 +153,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_checkpoints_finite(tmp_path):
     (dict(model=dict(position="alibi", rope=dict(scaling="yarn"))), "needs a rotary position scheme"),
     (dict(model=dict(position="t5", t5=dict(num_buckets=0))), "model.t5.num_buckets must be >= 2"),
     (dict(model=dict(mlp_ratio=-1)), "model.mlp_ratio must be >= 0"),
+    (dict(model=dict(feed_forward="moe", moe=dict(num_experts=1))), "model.moe.num_experts=1 is below"),
     (dict(eval=dict(rope_scalings=("ntk",))), r"unknown eval.rope_scalings \['ntk'\]; valid: none, pi, static_ntk"),
     (dict(train=dict(grad_clip_norm=0.0)), r"train.grad_clip_norm=0.0 must be > 0"),
     (dict(train=dict(weight_decay=-0.1)), r"train.weight_decay=-0.1 must be >= 0"),
@@ -204,7 +205,9 @@ def test_workdir_of_a_different_config_is_refused_and_kept(tmp_path):
 def test_packed_documents_train_and_evaluate(tmp_path):
   """data.packing=documents on a corpus of short files (so that training windows cross documents):
   the loop passes segments and positions through sharding and micro-batches (the first logged
-  loss is the model's own on the packed batch), the loss is finite, and evaluation works."""
+  loss is the model's own on the packed batch), the loss is finite, and evaluation works. The
+  feed-forward is a mixture of experts (its experts split over the tensor axis): the logged loss
+  stays the cross-entropy, the load-balancing loss is logged beside it."""
   words = "the of attention position rotary linear state length token bytes window".split()
   (tmp_path / "corpus").mkdir()
   for i in range(200):
@@ -215,13 +218,14 @@ def test_packed_documents_train_and_evaluate(tmp_path):
   config.data.update(dict(name="text_dir", corpus_path=str(tmp_path / "corpus"),
                           packing="documents", dir=str(tmp_path / "data")))
   config.train.update(dict(num_steps=4, grad_accum_steps=2))
+  config.model.update(dict(feed_forward="moe", moe=dict(num_experts=4, top_k=2)))
   config.mesh.shape = (2, 2, 2)
   config.eval.num_tokens = 128
   workdir = str(tmp_path / "run")
   train.train_and_evaluate(config, workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
-  assert all(np.isfinite(r["loss"]) for r in records)
+  assert all(np.isfinite(r["loss"]) and 2 <= r["load_balancing_loss"] <= 4 for r in records)
   assert np.isfinite(records[-1]["validation_loss"])
   batch = data.train_batch(config, 0)
   assert batch["segments"].max() >= 2  # rows hold several documents

@@ -18,8 +18,6 @@ hyperparameters are `hyperparameters` (defaults), read from the config sub-dict 
 registration (research/registry.py) and checked by `validate`.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -58,8 +56,7 @@ class Mixer(nnx.Module):
     raise NotImplementedError
 
   def cache_bytes(self, batch_size, context_length):
-    shapes = jax.eval_shape(lambda: self.init_cache(batch_size, context_length))
-    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+    return nn.tree_bytes(jax.eval_shape(lambda: self.init_cache(batch_size, context_length)))
 
 
 def head_projection(d_model, heads, head_dim, heads_axis, *, rngs, dtype,

@@ -1,0 +1,16 @@
+"""Feed-forward layers (the second half of every block), by name.
+
+To add one: implement the interface of `research.feed_forward.base` (subclassing `FeedForward`
+gives the defaults of a token-wise layer) in a new file and register it below (one line). Its
+hyperparameters appear in configs/base.py as model.<name>; a model picks one for every block
+(model.feed_forward) or a pattern tiled over the layers (model.feed_forward_pattern).
+"""
+
+from research.feed_forward.base import OBJECTIVE, AuxiliaryLoss, FeedForward, auxiliary_losses
+from research.feed_forward.mlp import MLP
+from research.feed_forward.moe import MixtureOfExperts
+from research.registry import Registry
+
+REGISTRY = Registry("feed-forward", "model.feed_forward")
+REGISTRY.register("mlp", MLP)
+REGISTRY.register("moe", MixtureOfExperts)

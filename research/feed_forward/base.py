@@ -1,0 +1,71 @@
+"""The interface every feed-forward implements, and the auxiliary losses the training loss collects.
+
+Shape letters: those of research/attention/base.py, and for feed-forwards F the hidden width of
+an MLP or of one expert, X the number of experts, R the experts each token is routed to (top_k).
+
+A feed-forward maps [batch, length, d_model] to the same shape, causally (most look at one token;
+one that mixes tokens, as RWKV's channel mix shifts them, keeps within a document's segment). It
+is built as `cls(model_config, settings, rngs=...)` and supports
+  * the full-sequence forward `__call__(x_BxLxD, segments_BxL=None)` (training, evaluation),
+  * `decode(x_BxTxD, cache, index) -> (y, cache)` for one or more new tokens from
+    `init_cache(batch_size, max_length)` (None for one that looks at one token at a time),
+  * `hyperparameters` (defaults; the config sub-dict model.<name>), checked by
+    `validate(settings, model_config)`.
+`model.mlp_ratio` = 0 drops the feed-forward of every block.
+
+Auxiliary losses. A layer with a training objective of its own (a mixture of experts' load
+balancing) sows it as an `AuxiliaryLoss` while the model runs under
+`nnx.capture(..., AuxiliaryLoss)`, which the training loss does (research/train.py) and nothing
+else: evaluation and decoding compute none. `auxiliary_losses` averages each sown value over the
+layers that sowed it; the entry OBJECTIVE is added to the training loss, every entry is logged.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# The name of the sown value that the training loss adds (the others are logged beside it).
+OBJECTIVE = "auxiliary_loss"
+
+
+class AuxiliaryLoss(nnx.Intermediate):
+  """A scalar a layer adds to the training objective, or reports beside it."""
+
+
+def capturing(module: nnx.Module) -> bool:
+  """Whether `module` runs under nnx.capture, so that what it sows is collected (elsewhere a
+  sown value would be kept on the module)."""
+  return hasattr(module, "__captures__")
+
+
+def auxiliary_losses(sown: nnx.State) -> dict[str, jax.Array]:
+  """{name: mean over the layers (and calls) that sowed it} from nnx.capture's AuxiliaryLoss
+  state; empty for a model without such layers."""
+  by_name = collections.defaultdict(list)
+  for path, variable in nnx.to_flat_state(sown):
+    by_name[path[-1]].extend(variable.get_value())  # a tuple: one value per call
+  return {name: jnp.mean(jnp.stack(values)) for name, values in by_name.items()}
+
+
+class FeedForward(nnx.Module):
+  """Defaults for a feed-forward that looks at one token at a time."""
+
+  hyperparameters = {}
+
+  @classmethod
+  def validate(cls, settings, model_config):
+    """Raise ValueError, naming what is valid, if this feed-forward cannot be built."""
+    del settings, model_config
+
+  def __call__(self, x_BxLxD, segments_BxL=None):
+    raise NotImplementedError
+
+  def init_cache(self, batch_size, max_length):
+    del batch_size, max_length
+    return None
+
+  def decode(self, x_BxTxD, cache, index):
+    del index
+    return self(x_BxTxD), cache

@@ -1,0 +1,127 @@
+"""Mixture of experts: top-k routing with a load-balancing loss, as in Jamba (arXiv:2403.19887),
+Mixtral (arXiv:2401.04088) and the Switch Transformer (arXiv:2101.03961).
+
+  p_t = softmax(W_r x_t)   over the X experts (router: no bias, float32, Switch's selective
+                           precision)
+  R_t = the top_k experts of p_t
+  y_t = sum_{e in R_t} w_te MLP_e(x_t),   w_te = p_te (Jamba), or with `renormalize`
+                                          p_te / sum_{e' in R_t} p_te' (Mixtral)
+MLP_e is this project's MLP (research/feed_forward/mlp.py, hidden width mlp_ratio * d_model) with
+weights of its own, so that a dense and a sparse model differ only in the routing; Jamba's and
+Mixtral's experts are SwiGLU MLPs. Jamba uses X = 16, top_k = 2, an MoE every other layer.
+
+Load balancing (Switch eqs. 4-6, as transformers' Jamba / Mixtral `load_balancing_loss_func`):
+  f_e = (1/T) sum_t [e in R_t],   P_e = (1/T) sum_t p_te,   L_balance = X sum_e f_e P_e
+over the T tokens of the (micro-)batch; f is not differentiable, P is. f counts each of a
+token's top_k choices (sum_e f_e = top_k), so L_balance = top_k when either f or P is uniform,
+its value at balance (1 for Switch's top-1). The training loss adds load_balancing_weight times
+the mean of L_balance over the MoE layers (transformers pools f and P over the layers before
+the product; the two agree when the layers route alike), and router_z_loss_weight times the
+router z-loss of ST-MoE (arXiv:2202.08906), mean_t (logsumexp_e W_r x_t)^2, off by default.
+Every input token counts, padding and tokens without loss weight included: each occupies its
+experts like any other (MQAR scores only its answers), and language-model training windows have
+no padding.
+
+Dense dispatch: every expert runs on every token and the combine weights are 0 outside R_t. The
+outputs and gradients are exactly those of running each token's top_k experts alone, no token is
+dropped (no capacity), and it is simple, at X / top_k times the FLOPs of a sparse layer and
+activations [B, L, X, F]: right for the lab's small models. At scale one sorts the tokens by
+expert and runs a grouped matmul (jax.lax.ragged_dot; MaxText's megablox), or dispatches into
+fixed-capacity expert buffers with an all-to-all over an expert-parallel mesh axis (GShard,
+Switch); routing, weights and losses stay as here. research.flops counts the routed experts
+only (model FLOPs), so MFU states what a sparse layer would need. The experts' weights are
+stacked on the logical axis `expert`, split over the mesh's `tensor` axis: each device runs its
+experts on its tokens and the combine sums over devices, as tensor parallelism does for an MLP.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from research import nn
+from research.feed_forward import base
+
+# Each expert's kernels start as the MLP's do: fan-in of one expert, not of the stack.
+EXPERT_INIT = nnx.initializers.lecun_normal(batch_axis=(0,))
+
+
+def load_balancing_loss(probs_TxX, chosen_TxX):
+  """X sum_e f_e P_e: f_e the fraction of tokens routed to e (chosen: 1 for each of a token's
+  top_k experts), P_e the mean router probability of e, over every leading axis."""
+  num_experts = probs_TxX.shape[-1]
+  f_X = chosen_TxX.reshape(-1, num_experts).mean(0)
+  p_X = probs_TxX.reshape(-1, num_experts).mean(0)
+  return num_experts * jnp.sum(jax.lax.stop_gradient(f_X) * p_X)
+
+
+def router_z_loss(logits_TxX):
+  """mean_t (logsumexp_e logits_te)^2 (ST-MoE, arXiv:2202.08906): keeps the router logits small."""
+  return jnp.mean(jax.nn.logsumexp(logits_TxX, axis=-1) ** 2)
+
+
+class MixtureOfExperts(base.FeedForward):
+  hyperparameters = {"num_experts": 16, "top_k": 2, "renormalize": False,
+                     "load_balancing_weight": 0.01, "router_z_loss_weight": 0.0}
+
+  @classmethod
+  def validate(cls, settings, model_config):
+    experts, top_k = settings.num_experts, settings.top_k
+    if not isinstance(top_k, int) or top_k < 1:
+      raise ValueError(f"model.moe.top_k={top_k!r} must be an integer >= 1 (the experts each "
+                       f"token is routed to)")
+    if not isinstance(experts, int) or experts < top_k:
+      raise ValueError(f"model.moe.num_experts={experts!r} is below model.moe.top_k={top_k}; "
+                       f"valid: an integer >= {top_k}, or a smaller top_k")
+    for name in ("load_balancing_weight", "router_z_loss_weight"):
+      if settings[name] < 0:
+        raise ValueError(f"model.moe.{name}={settings[name]} must be >= 0 (0 turns it off)")
+    if not model_config.mlp_ratio:
+      raise ValueError("model.mlp_ratio=0 drops every feed-forward, so a mixture of experts "
+                       "would build nothing; its experts' hidden width is mlp_ratio * d_model: "
+                       "use model.mlp_ratio >= 1")
+
+  def __init__(self, model_config, settings, *, rngs):
+    d, dtype = model_config.d_model, nn.compute_dtype(model_config)
+    hidden, experts = model_config.mlp_ratio * d, settings.num_experts
+    self.top_k, self.renormalize = settings.top_k, settings.renormalize
+    self.load_balancing_weight = settings.load_balancing_weight
+    self.router_z_loss_weight = settings.router_z_loss_weight
+    # The router is small: replicated, so every device routes its tokens to all experts.
+    self.router = nn.dense("BLD,DX->BLX", (d, experts), ("embed", None), rngs=rngs,
+                           dtype=jnp.float32)
+    self.up = nn.dense("BLD,XDF->BLXF", (experts, d, hidden), ("expert", "embed", "mlp"),
+                       rngs=rngs, dtype=dtype, init=EXPERT_INIT)
+    self.down = nn.dense("BLXF,XFD->BLD", (experts, hidden, d), ("expert", "mlp", "embed"),
+                         rngs=rngs, dtype=dtype, init=EXPERT_INIT)
+
+  def route(self, x_BxLxD):
+    """(router logits, probabilities p [B, L, X], combine weights w [B, L, X]: 0 outside the
+    top_k experts, p or renormalised p on them, chosen [B, L, X]: 1 on the top_k), float32."""
+    logits_BxLxX = self.router(x_BxLxD.astype(jnp.float32))
+    probs_BxLxX = jax.nn.softmax(logits_BxLxX, axis=-1)
+    top_probs_BxLxR, top_experts_BxLxR = jax.lax.top_k(probs_BxLxX, self.top_k)
+    if self.renormalize:
+      top_probs_BxLxR = top_probs_BxLxR / top_probs_BxLxR.sum(-1, keepdims=True)
+    one_hot_BxLxRxX = jax.nn.one_hot(top_experts_BxLxR, probs_BxLxX.shape[-1])
+    weights_BxLxX = jnp.einsum("blr,blrx->blx", top_probs_BxLxR, one_hot_BxLxRxX)
+    return logits_BxLxX, probs_BxLxX, weights_BxLxX, one_hot_BxLxRxX.sum(-2)
+
+  def __call__(self, x_BxLxD, segments_BxL=None):
+    del segments_BxL  # token by token
+    logits_BxLxX, probs_BxLxX, weights_BxLxX, chosen_BxLxX = self.route(x_BxLxD)
+    hidden_BxLxXxF = jax.nn.gelu(self.up(x_BxLxD))
+    y_BxLxD = self.down(hidden_BxLxXxF * weights_BxLxX[..., None].astype(hidden_BxLxXxF.dtype))
+    if base.capturing(self):  # the training loss (research/train.py)
+      balance = load_balancing_loss(probs_BxLxX, chosen_BxLxX)
+      z_loss = router_z_loss(logits_BxLxX)
+      self.sow(base.AuxiliaryLoss, "load_balancing_loss", balance)
+      self.sow(base.AuxiliaryLoss, "router_z_loss", z_loss)
+      self.sow(base.AuxiliaryLoss, base.OBJECTIVE,
+               self.load_balancing_weight * balance + self.router_z_loss_weight * z_loss)
+    return y_BxLxD
+
+  def idle_params_per_token(self):
+    """Parameters of the experts a token is not routed to (not part of its matmul FLOPs)."""
+    experts = self.up.kernel.shape[0]
+    expert_params = self.up.kernel.size + self.down.kernel.size
+    return expert_params * (experts - self.top_k) // experts
