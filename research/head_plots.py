@@ -12,6 +12,10 @@
   pruning               the metric against the fraction of heads removed (by importance, in
                         random order), beside the heads' importances
   pruning_by_run        a sweep: the same, a colour per run
+  explanation           per head, the distribution of Kendall's tau between attention and
+                        gradient importance over examples; the median output change under
+                        permuted attention against the row's largest weight (Jain & Wallace)
+  explanation_by_run    a sweep: both distributions, one violin per run
 """
 
 import matplotlib
@@ -24,6 +28,8 @@ from matplotlib import colors as mcolors  # noqa: E402
 from research import plots  # noqa: E402
 
 save = plots.save
+# Pruning orders (research.analyze.head_importance) and their line styles.
+ORDER_STYLES = {"importance": "-", "random": "--", "kv_groups": ":"}
 
 
 def attention_grid(weights: dict, labels: list[str] | None, title: str) -> matplotlib.figure.Figure:
@@ -191,8 +197,8 @@ def pruning(rows: list[dict], importance_LxN: np.ndarray, metric: str,
   full model's normalised head importances."""
   fig, (ax, heat) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained",
                                  gridspec_kw={"width_ratios": [3, 2]})
-  for order, style in (("importance", "-"), ("random", "--")):
-    mine = [r for r in rows if r.get("order") == order]
+  for order in dict.fromkeys(r["order"] for r in rows if "order" in r):
+    mine, style = [r for r in rows if r.get("order") == order], ORDER_STYLES[order]
     ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
             linestyle=style, label=f"{order} order")
   _pruning_axes(ax, metric, legend_size=8)
@@ -211,10 +217,62 @@ def pruning_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
   fig, ax = plt.subplots(figsize=(6, 4.5), layout="constrained")
   cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for k, run in enumerate(dict.fromkeys(r["run"] for r in rows)):
-    for order, style in (("importance", "-"), ("random", "--")):
+    for order, style in ORDER_STYLES.items():
       mine = [r for r in rows if r["run"] == run and r["order"] == order]
+      if not mine:
+        continue
       ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
               markersize=3, linestyle=style, color=cycle[k % len(cycle)],
               label=f"{run} ({order})")
   _pruning_axes(ax, metric, legend_size=7)
+  return fig
+
+
+def _violins(ax, groups: list[np.ndarray], labels: list[str], ylabel: str):
+  """One violin (with its median marked) per group of values; empty or all-nan groups skipped."""
+  kept = [(g[np.isfinite(g)], label) for g, label in zip(groups, labels)]
+  kept = [(g, label) for g, label in kept if g.size]
+  if kept:
+    ax.violinplot([g for g, _ in kept], showmedians=True)
+  ax.set_xticks(range(1, len(kept) + 1), [label for _, label in kept], rotation=30, ha="right",
+                fontsize=7)
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3, axis="y")
+
+
+def _measure(rows, measure, **match):
+  return np.asarray([r["value"] for r in rows if r["measure"] == measure
+                     and all(r[k] == v for k, v in match.items())], float)
+
+
+def explanation(rows: list[dict], title: str) -> matplotlib.figure.Figure:
+  pairs = list(dict.fromkeys((r["layer"], r["head"]) for r in rows))
+  fig, (taus, tvds) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+  _violins(taus, [_measure(rows, "kendall_tau", layer=l, head=h) for l, h in pairs],
+           [f"L{l} H{h}" for l, h in pairs], "Kendall tau (attention vs gradient x input)")
+  taus.axhline(0.0, color="black", linewidth=0.8)
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for k, layer in enumerate(dict.fromkeys(l for l, _ in pairs)):
+    tvds.scatter(_measure(rows, "max_attention", layer=layer),
+                 _measure(rows, "permutation_tvd", layer=layer), s=8, alpha=0.6,
+                 color=cycle[k % len(cycle)], label=f"layer {layer}")
+  tvds.set_xlabel("largest attention weight of the row")
+  tvds.set_ylabel("median output TVD, row permuted")
+  tvds.set_yscale("symlog", linthresh=1e-4)
+  tvds.grid(alpha=0.3)
+  tvds.legend(fontsize=7)
+  fig.suptitle(f"{title}: attention as explanation (arXiv:1902.10186), one point per "
+               "example and head", fontsize=9)
+  return fig
+
+
+def explanation_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
+  runs = list(dict.fromkeys(r["run"] for r in rows))
+  fig, (taus, tvds) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(runs) + 4), 4.5),
+                                   layout="constrained")
+  _violins(taus, [_measure(rows, "kendall_tau", run=run) for run in runs], runs,
+           "Kendall tau (attention vs gradient x input)")
+  taus.axhline(0.0, color="black", linewidth=0.8)
+  _violins(tvds, [_measure(rows, "permutation_tvd", run=run) for run in runs], runs,
+           "median output TVD, attention row permuted")
   return fig
