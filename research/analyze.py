@@ -25,6 +25,12 @@
                   variation distance of the output distribution when that row is permuted over
                   its visible keys (--num_permutations); explanation.png, explanation.csv;
                   newest checkpoint.
+  uptraining      any run: validation perplexity at the training length (its evaluation,
+                  research.extrapolation) against decode-cache bytes at that length, and how the
+                  run came to be: trained from scratch, converted from another run's MHA by
+                  mean-pooling key/value heads (train.init_from, 0 steps), or uptrained after
+                  the conversion (Ainslie et al., arXiv:2305.13245; configs/gqa_uptraining.py);
+                  over a sweep, one table and figure (uptraining.csv, uptraining.png).
 Each writes RUN/analysis/<name>/ (figures, a tidy CSV, summary.md); over a sweep, every finished
 run's, then DIR/analysis/<name>/ compares the runs (all runs' rows in one CSV, a figure,
 summary.md). Everything is computed with the xla softmax backend (the same function as the
@@ -47,10 +53,12 @@ from research import attention
 from research import checkpoints
 from research import config_fields
 from research import data
+from research import eval_results
 from research import evaluate
 from research import generate
 from research import head_plots
 from research import heads
+from research import init_from
 from research import model as model_lib
 from research import positions
 from research import sharding
@@ -573,8 +581,70 @@ def head_importance(run: Checkpoints, name: str, out: str, settings: Settings) -
   return rows + importance_rows
 
 
+# ---- uptraining
+
+
+def _stage(config) -> str:
+  """How a run came to be: from scratch, converted (train.init_from, 0 steps) or uptrained."""
+  if not config.train.init_from:
+    return "from scratch"
+  return "converted" if config.train.num_steps == 0 else "uptrained"
+
+
+def uptraining(run: Checkpoints, name: str, out: str, settings: Settings) -> list[dict]:
+  del settings
+  config = run.config
+  length = config.train.seq_len
+  rows = [r for r in eval_results.latest(eval_results.read(run.directory))
+          if r["eval_length"] == length and r["eval_mode"] == "nonoverlapping"
+          and r.get("rope_scaling", "none") == "none" and r.get("depth") is None]
+  if not rows:
+    raise ValueError(f"{name} has no non-overlapping evaluation at its training length {length}; "
+                     f"evaluate it first (python -m experiments.evaluate --workdir="
+                     f"{run.directory})")
+  source_steps = 0
+  if config.train.init_from:
+    source = config_fields.load_saved(init_from.source_directory(config, run.directory))
+    source_steps = source.train.num_steps
+  model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
+  kv_heads = {getattr(block.mixer, "num_kv_heads", None) for block in model.blocks} - {None}
+  evaluation = rows[-1]
+  row = {"run": name, "attention": config.model.attention,
+         "kv_heads": ",".join(map(str, sorted(kv_heads))), "stage": _stage(config),
+         "steps": config.train.num_steps, "total_steps": source_steps + config.train.num_steps,
+         "perplexity": evaluation["perplexity"],
+         "perplexity_ci_low": evaluation.get("perplexity_ci_low"),
+         "perplexity_ci_high": evaluation.get("perplexity_ci_high"),
+         "cache_bytes": int(model.cache_bytes(1, length)), "eval_length": length,
+         "tokens": evaluation.get("tokens")}
+  _write_csv(os.path.join(out, "uptraining.csv"), [row])
+  _write_summary(os.path.join(out, "summary.md"), [
+      f"# Perplexity and decode cache: {name}", "",
+      f"{row['stage']}, {row['steps']} steps ({row['total_steps']} in all); perplexity "
+      f"{row['perplexity']:.3f} at {length} tokens; decode cache {row['cache_bytes']} bytes per "
+      f"sequence of {length} tokens."])
+  return [row]
+
+
+def _uptraining_summary(rows: list[dict]) -> list[str]:
+  lines = ["Validation perplexity at the training length (non-overlapping windows, 95% "
+           "bootstrap interval) against the decode cache of one sequence of that length. "
+           "Converted: another run's MHA with each group's key and value heads mean-pooled "
+           "(Ainslie et al., arXiv:2305.13245), before any training; uptrained: the same, "
+           "trained on with a fresh optimizer; total steps count the MHA run's too.", ""]
+  return lines + _table(
+      ["run", "attention", "kv heads", "stage", "steps", "total steps", "perplexity",
+       "95% interval", "cache bytes"],
+      [[r["run"], r["attention"], r["kv_heads"], r["stage"], r["steps"], r["total_steps"],
+        float(r["perplexity"]),
+        "" if r["perplexity_ci_low"] is None else
+        f"{r['perplexity_ci_low']:.3f}-{r['perplexity_ci_high']:.3f}", r["cache_bytes"]]
+       for r in rows])
+
+
 ANALYSES = {"attention_maps": attention_maps, "induction": induction,
-            "head_importance": head_importance, "explanation": explanation}
+            "head_importance": head_importance, "explanation": explanation,
+            "uptraining": uptraining}
 
 
 def problem(analysis: str, config) -> str | None:
@@ -652,7 +722,8 @@ def analyze(workdir: str, names: list[str], settings: Settings = Settings(),
 def _compare(analysis: str, rows: list[dict], skipped: list[str], out: str):
   """A sweep's runs side by side: all their rows, one figure, a summary."""
   csv_name = {"attention_maps": "distance.csv", "induction": "scores.csv",
-              "head_importance": "pruning.csv", "explanation": "explanation.csv"}[analysis]
+              "head_importance": "pruning.csv", "explanation": "explanation.csv",
+              "uptraining": "uptraining.csv"}[analysis]
   if analysis == "head_importance":
     rows = [r for r in rows if "order" in r]
   _write_csv(os.path.join(out, csv_name), rows)
@@ -668,6 +739,10 @@ def _compare(analysis: str, rows: list[dict], skipped: list[str], out: str):
     lines += ["`pruning.png`: per run, perplexity (or accuracy) against the fraction of heads "
               "removed, by importance (solid), in random order (dashed) and, for grouped-query "
               "runs, by whole key/value groups (dotted)."]
+  elif analysis == "uptraining":
+    head_plots.save(head_plots.uptraining(rows), os.path.join(out, "uptraining.png"))
+    lines += ["`uptraining.png`: perplexity (left) and decode-cache bytes (right) per run.", ""]
+    lines += _uptraining_summary(rows)
   elif analysis == "explanation":
     head_plots.save(head_plots.explanation_by_run(rows), os.path.join(out, "explanation.png"))
     lines += ["`explanation.png`: per run, the distribution over (example, head) pairs of "

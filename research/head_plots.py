@@ -16,6 +16,8 @@
                         gradient importance over examples; the median output change under
                         permuted attention against the row's largest weight (Jain & Wallace)
   explanation_by_run    a sweep: both distributions, one violin per run
+  uptraining            a sweep: perplexity (95% interval) and decode-cache bytes per run,
+                        coloured by how the run came to be (scratch, converted, uptrained)
 """
 
 import matplotlib
@@ -274,5 +276,33 @@ def explanation_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
            "Kendall tau (attention vs gradient x input)")
   taus.axhline(0.0, color="black", linewidth=0.8)
   _violins(tvds, [_measure(rows, "permutation_tvd", run=run) for run in runs], runs,
-           "median output TVD, attention row permuted")
+           "output TVD, row permuted (median)")
+  return fig
+
+
+STAGE_COLOURS = {"from scratch": "tab:blue", "converted": "tab:red", "uptrained": "tab:green"}
+
+
+def uptraining(rows: list[dict]) -> matplotlib.figure.Figure:
+  fig, (ppl, cache) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+  labels = [f"{r['attention']} kv={r['kv_heads']}\n{r['stage']} ({r['total_steps']} steps)"
+            for r in rows]
+  x = np.arange(len(rows))
+  colours = [STAGE_COLOURS.get(r["stage"], "gray") for r in rows]
+  values = np.asarray([r["perplexity"] for r in rows], float)
+  low = np.asarray([r["perplexity_ci_low"] or r["perplexity"] for r in rows], float)
+  high = np.asarray([r["perplexity_ci_high"] or r["perplexity"] for r in rows], float)
+  ppl.bar(x, values, color=colours, alpha=0.8)
+  ppl.errorbar(x, values, yerr=[values - low, high - values], fmt="none", color="black",
+               capsize=3)
+  ppl.set_yscale("log")
+  plots._plain_log_ticks(ppl.yaxis)  # noqa: SLF001
+  ppl.set_ylabel("validation perplexity at the training length")
+  cache.bar(x, [r["cache_bytes"] / 1024 for r in rows], color=colours, alpha=0.8)
+  cache.set_ylabel("decode cache per sequence (KiB)")
+  for ax in (ppl, cache):
+    ax.set_xticks(x, labels, rotation=35, ha="right", fontsize=7)
+    ax.grid(alpha=0.3, axis="y", which="both")
+  fig.suptitle("MHA to GQA: converted by mean-pooling, uptrained, or trained from scratch "
+               "(arXiv:2305.13245)", fontsize=9)
   return fig
