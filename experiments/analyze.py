@@ -4,6 +4,8 @@
   python -m experiments.analyze --workdir=runs/demo/runs/mha_rope --analysis=attention_maps \
       --text='def main(argv):'
   python -m experiments.analyze --workdir=runs/heads --analysis=induction,attention_maps
+  python -m experiments.analyze --workdir=runs/demo --analysis=explanation
+  python -m experiments.analyze --workdir=runs/gqa --analysis=uptraining,head_importance
 
 Analyses (research.analyze): attention_maps (every layer x head's attention on --text or on a
 repeated random sequence, and the attention mass by distance at 1x and 8x the training length;
@@ -11,7 +13,9 @@ softmax attention only), induction (induction, previous-token and in-context-lea
 every kept checkpoint; see train.keep_checkpoints_at), head_importance (Michel et al.'s head
 importance and iterative pruning against random order; for GQA also by key/value group),
 explanation (Jain & Wallace's tests: Kendall's tau between attention and gradient importance,
-and the output change when attention is permuted). Each writes RUN/analysis/<name>/: PNG
+and the output change when attention is permuted), uptraining (perplexity against decode-cache
+bytes of runs trained from scratch, converted from MHA by train.init_from, or uptrained; see
+configs/gqa_uptraining.py). Each writes RUN/analysis/<name>/: PNG
 figures, a CSV and summary.md; a sweep also gets DIR/analysis/<name>/ comparing its runs.
 """
 

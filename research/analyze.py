@@ -16,7 +16,9 @@
                   importance I_h = E |dL/dxi_h| for a head mask xi (Michel et al.,
                   arXiv:1905.10650; research.heads), then iterative pruning by importance
                   against random order: perplexity (accuracy for tasks) against the fraction
-                  of heads removed (pruning.png, pruning.csv, importance.csv); newest checkpoint.
+                  of heads removed (pruning.png, pruning.csv, importance.csv); for
+                  grouped-query runs also by whole key/value groups (order kv_groups); newest
+                  checkpoint.
   explanation     softmax layers: attention as explanation (Jain & Wallace, arXiv:1902.10186)
                   for the prediction after the last position of --num_sequences validation
                   windows (random tokens for tasks) of train.seq_len: per example and head,
