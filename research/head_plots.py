@@ -156,7 +156,7 @@ def mean_distance_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
 
 
 def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), squeeze=False, layout="constrained")
+  """The panels that have values: tasks have no ICL score, mixers without maps no induction."""
   best = {}
   for r in rows:
     if r["measure"] == "induction":
@@ -164,9 +164,13 @@ def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
       best[key] = max(best.get(key, -1.0), r["value"])
   best_rows = [{"run": run, "step": step, "measure": "best", "value": v}
                for (run, step), v in best.items()]
-  for ax, (measure, source, label) in zip(axes[0], (
+  panels = [(measure, source, label) for measure, source, label in (
       ("best", best_rows, "largest induction score of any head"),
-      ("icl_score", rows, "ICL score (late - early loss)"))):
+      ("icl_score", rows, "ICL score (late - early loss)"))
+            if any(r["measure"] == measure for r in source)]
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False,
+                           layout="constrained")
+  for ax, (measure, source, label) in zip(axes[0], panels):
     for run, (steps, values) in _series(source, measure, lambda r: r["run"]).items():
       ax.plot(steps, values, marker="o", markersize=3, label=run)
     ax.set_xscale("log")
