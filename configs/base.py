@@ -81,6 +81,11 @@ def get_config():
   # --analysis=induction reads every kept checkpoint).
   t.keep_checkpoints_at = ()
   t.tensorboard = False
+  # Start from another run's final parameters with a fresh optimizer (research/init_from.py):
+  # a run directory, relative to the one that holds this workdir (in a sweep: a member's name).
+  # MHA converts to GQA with fewer key/value heads by mean-pooling (arXiv:2305.13245); with
+  # num_steps = 0 the converted model is saved as checkpoint 0 and evaluated as it is.
+  t.init_from = ""
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.shape = (-1, 1, 1)  # sizes of the (data, fsdp, tensor) axes; -1 fills

@@ -4,12 +4,18 @@
   python -m experiments.analyze --workdir=runs/demo/runs/mha_rope --analysis=attention_maps \
       --text='def main(argv):'
   python -m experiments.analyze --workdir=runs/heads --analysis=induction,attention_maps
+  python -m experiments.analyze --workdir=runs/demo --analysis=explanation
+  python -m experiments.analyze --workdir=runs/gqa --analysis=uptraining,head_importance
 
 Analyses (research.analyze): attention_maps (every layer x head's attention on --text or on a
 repeated random sequence, and the attention mass by distance at 1x and 8x the training length;
 softmax attention only), induction (induction, previous-token and in-context-learning scores at
 every kept checkpoint; see train.keep_checkpoints_at), head_importance (Michel et al.'s head
-importance and iterative pruning against random order). Each writes RUN/analysis/<name>/: PNG
+importance and iterative pruning against random order; for GQA also by key/value group),
+explanation (Jain & Wallace's tests: Kendall's tau between attention and gradient importance,
+and the output change when attention is permuted), uptraining (perplexity against decode-cache
+bytes of runs trained from scratch, converted from MHA by train.init_from, or uptrained; see
+configs/gqa_uptraining.py). Each writes RUN/analysis/<name>/: PNG
 figures, a CSV and summary.md; a sweep also gets DIR/analysis/<name>/ comparing its runs.
 """
 
@@ -32,6 +38,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the random tokens and the rando
 _PRUNE_FRACTION = flags.DEFINE_float(
     "prune_fraction", analyze.Settings.prune_fraction,
     "head_importance: share of the remaining heads removed in each round, in (0, 1).")
+_NUM_PERMUTATIONS = flags.DEFINE_integer(
+    "num_permutations", analyze.Settings.num_permutations,
+    "explanation: random permutations of each attention row (the paper: 100).")
 flags.mark_flags_as_required(["workdir", "analysis"])
 
 
@@ -50,9 +59,12 @@ def main(argv):
                      "the remaining heads removed in each round, e.g. 0.1")
   if _NUM_SEQUENCES.value < 1:
     raise ValueError(f"--num_sequences={_NUM_SEQUENCES.value} must be >= 1")
+  if _NUM_PERMUTATIONS.value < 1:
+    raise ValueError(f"--num_permutations={_NUM_PERMUTATIONS.value} must be >= 1")
   settings = analyze.Settings(text=_TEXT.value, num_sequences=_NUM_SEQUENCES.value,
                               length_factors=factors, seed=_SEED.value,
-                              prune_fraction=_PRUNE_FRACTION.value)
+                              prune_fraction=_PRUNE_FRACTION.value,
+                              num_permutations=_NUM_PERMUTATIONS.value)
   written = analyze.analyze(_WORKDIR.value, _ANALYSIS.value, settings,
                             log=lambda line: print(line, flush=True))
   print(f"wrote {', '.join(written)}", flush=True)

@@ -16,7 +16,23 @@
                   importance I_h = E |dL/dxi_h| for a head mask xi (Michel et al.,
                   arXiv:1905.10650; research.heads), then iterative pruning by importance
                   against random order: perplexity (accuracy for tasks) against the fraction
-                  of heads removed (pruning.png, pruning.csv, importance.csv); newest checkpoint.
+                  of heads removed (pruning.png, pruning.csv, importance.csv); for
+                  grouped-query runs also by whole key/value groups (order kv_groups); newest
+                  checkpoint.
+  explanation     softmax layers: attention as explanation (Jain & Wallace, arXiv:1902.10186)
+                  for the prediction after the last position of --num_sequences validation
+                  windows (random tokens for tasks) of train.seq_len: per example and head,
+                  Kendall's tau between the head's attention row from the last position and the
+                  gradient-times-input importance of the same tokens, and the median total
+                  variation distance of the output distribution when that row is permuted over
+                  its visible keys (--num_permutations); explanation.png, explanation.csv;
+                  newest checkpoint.
+  uptraining      any run: validation perplexity at the training length (its evaluation,
+                  research.extrapolation) against decode-cache bytes at that length, and how the
+                  run came to be: trained from scratch, converted from another run's MHA by
+                  mean-pooling key/value heads (train.init_from, 0 steps), or uptrained after
+                  the conversion (Ainslie et al., arXiv:2305.13245; configs/gqa_uptraining.py);
+                  over a sweep, one table and figure (uptraining.csv, uptraining.png).
 Each writes RUN/analysis/<name>/ (figures, a tidy CSV, summary.md); over a sweep, every finished
 run's, then DIR/analysis/<name>/ compares the runs (all runs' rows in one CSV, a figure,
 summary.md). Everything is computed with the xla softmax backend (the same function as the
@@ -39,14 +55,17 @@ from research import attention
 from research import checkpoints
 from research import config_fields
 from research import data
+from research import eval_results
 from research import evaluate
 from research import generate
 from research import head_plots
 from research import heads
+from research import init_from
 from research import model as model_lib
 from research import positions
 from research import sharding
 from research import workdirs
+from research.attention import masks
 
 # Jain & Wallace's caveat, written next to every attention-map figure.
 CAVEAT = ("Attention weights show where a head reads from, not why the output is what it is: "
@@ -61,6 +80,7 @@ class Settings:
   length_factors: tuple = (1, 8)  # attention_maps: distance mass at these x train.seq_len
   seed: int = 0  # of the random tokens and of the random pruning order
   prune_fraction: float = 0.1  # head_importance: share of the remaining heads removed per round
+  num_permutations: int = 16  # explanation: random permutations of each attention row
 
 
 def softmax_variants() -> list[str]:
@@ -106,6 +126,7 @@ class Checkpoints:
     self.mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
     self.graphdef = None
     self._weights, self._eval_step, self._masked = None, None, None
+    self._importance, self._permuted = None, None
 
   def state(self, step: int | None = None):
     """(step, state) of checkpoint `step` (None: the newest readable one)."""
@@ -139,6 +160,57 @@ class Checkpoints:
 
       self._masked = jax.jit(jax.grad(mean_loss, has_aux=True))
     return self._masked(jnp.asarray(mask_LxN, jnp.float32), state, batch)
+
+  def gradient_importance(self, state, batch: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(importance [B, L]: |e_j . d p_y / d e_j|, the predicted next token y's probability after
+    the last position against each input embedding e_j; the output distribution there [B, V])."""
+    if self._importance is None:
+      graphdef = self.graphdef
+
+      def predicted_probability(offset_BxLxD, state, batch):
+        logits = nnx.merge(graphdef, state).probe(
+            batch["inputs"], batch.get("positions"), batch.get("segments"),
+            input_offset_BxLxD=offset_BxLxD)
+        probs_BxV = jax.nn.softmax(logits[:, -1])
+        predicted_B = jnp.argmax(probs_BxV, axis=-1)
+        return jnp.take_along_axis(probs_BxV, predicted_B[:, None], axis=-1).sum(), probs_BxV
+
+      def importance(state, batch):
+        table_VxD = nnx.merge(graphdef, state).embed.embedding[...]
+        embedded_BxLxD = jnp.take(table_VxD, batch["inputs"], axis=0)
+        grad_BxLxD, probs_BxV = jax.grad(predicted_probability, has_aux=True)(
+            jnp.zeros_like(embedded_BxLxD), state, batch)
+        return jnp.abs((grad_BxLxD * embedded_BxLxD).sum(-1)), probs_BxV
+
+      self._importance = jax.jit(importance)
+    importance_BxL, probs_BxV = self._importance(state, batch)
+    return np.asarray(importance_BxL), np.asarray(probs_BxV)
+
+  def permuted_outputs(self, state, batch: dict, layer: int, head: int,
+                       keys: jax.Array) -> np.ndarray:
+    """[K, B, V]: the output distribution after the last position with the last query's
+    attention row of `head` in `layer` permuted over its visible keys, one permutation per key."""
+    if self._permuted is None:
+      graphdef = self.graphdef
+
+      def permuted(state, batch, layer, head, keys):
+        def output(key):
+          def edit(probs_BxNxTxS, mask):
+            rows_BxS = probs_BxNxTxS[:, head, -1]
+            visible_BxS = jnp.broadcast_to(mask[:, 0, -1], rows_BxS.shape)
+            shuffled_BxS = jax.vmap(heads.permute_visible)(
+                rows_BxS, visible_BxS, jax.random.split(key, rows_BxS.shape[0]))
+            return probs_BxNxTxS.at[:, head, -1].set(shuffled_BxS)
+
+          logits = nnx.merge(graphdef, state).probe(
+              batch["inputs"], batch.get("positions"), batch.get("segments"),
+              edit_attention={layer: edit})
+          return jax.nn.softmax(logits[:, -1])
+
+        return jax.lax.map(output, keys)  # one permutation at a time: memory of one forward
+
+      self._permuted = jax.jit(permuted, static_argnums=2)
+    return np.asarray(self._permuted(state, batch, layer, head, keys))
 
   def loss_by_position(self, state, length: int) -> np.ndarray:
     """The mean loss at each position of non-overlapping validation windows of `length`."""
@@ -339,6 +411,80 @@ def induction(run: Checkpoints, name: str, out: str, settings: Settings) -> list
   return rows
 
 
+# ---- explanation
+
+
+def _last_row_visible(config, batch: dict) -> np.ndarray:
+  """[B, L] bool: the keys the last query of each row can see (window, sinks, documents)."""
+  length = batch["inputs"].shape[1]
+  index = np.arange(length)
+  segments = batch.get("segments")
+  settings = config.model.softmax
+  document_index = (None if segments is None or not settings.sinks
+                    else masks.positions_in_documents(segments))
+  visible = masks.allowed(index[-1:], index, settings.window, settings.sinks,
+                          None if segments is None else segments[:, -1:], segments,
+                          document_index)
+  return np.broadcast_to(np.asarray(visible)[:, 0, 0], batch["inputs"].shape)
+
+
+def explanation(run: Checkpoints, name: str, out: str, settings: Settings) -> list[dict]:
+  config = run.config
+  layers = _map_layers(config)
+  step, state = run.state()
+  windows, source = _windows(config, config.train.seq_len, settings)
+  batch = {key: np.concatenate([w[key] for w in windows]) for key in windows[0]}
+  visible_BxL = _last_row_visible(config, batch)
+  importance_BxL, probs_BxV = run.gradient_importance(state, batch)
+  weights = run.attention_weights(state, batch)
+  keys = jax.random.split(jax.random.key(settings.seed), settings.num_permutations)
+  rows = []
+  for layer in layers:
+    for head in range(config.model.num_heads):
+      permuted_KxBxV = run.permuted_outputs(state, batch, layer, head, keys)
+      tvd_B = np.median(heads.total_variation(permuted_KxBxV, probs_BxV[None]), axis=0)
+      for b, visible in enumerate(visible_BxL):
+        row = weights[layer][b, head, -1][visible]
+        common = {"run": name, "step": step, "example": b, "layer": layer, "head": head}
+        rows += [dict(common, measure=measure, value=float(value)) for measure, value in (
+            ("kendall_tau", heads.kendall_tau(row, importance_BxL[b][visible])),
+            ("permutation_tvd", tvd_B[b]), ("max_attention", row.max()))]
+    run.log(f"  {name}: layer {layer} done")
+  _write_csv(os.path.join(out, "explanation.csv"), rows)
+  head_plots.save(head_plots.explanation(rows, f"{name} (step {step})"),
+                  os.path.join(out, "explanation.png"))
+
+  values = lambda measure, **match: np.asarray(
+      [r["value"] for r in rows if r["measure"] == measure
+       and all(r[k] == v for k, v in match.items())])
+  taus, tvds = values("kendall_tau"), values("permutation_tvd")
+  lines = [f"# Attention as explanation: {name}", "",
+           f"Checkpoint step {step}; {config.model.attention} with {config.model.position}; "
+           f"{len(windows)} windows of {config.train.seq_len} tokens of {source}; the prediction "
+           "after each window's last position (Jain & Wallace, arXiv:1902.10186).", "",
+           "- Kendall's tau-b, per example and head, between the head's attention row from the "
+           "last position and the gradient-times-input importance |e_j . d p_y / d e_j| of the "
+           "same tokens (p_y: the probability of the predicted token; over the keys the row "
+           "sees). A head in a later layer attends to hidden states, which mix earlier tokens, "
+           "as the paper's encoder states do.",
+           f"- Permutation: the row permuted over its visible keys ({settings.num_permutations} "
+           "permutations), every other head and position as they were; the median total "
+           "variation distance between the output distributions with and without.", "",
+           f"Over all {len(taus)} (example, head) pairs: median tau {np.nanmedian(taus):+.3f} "
+           f"(interquartile {np.nanpercentile(taus, 25):+.3f} to "
+           f"{np.nanpercentile(taus, 75):+.3f}); median permutation TVD {np.median(tvds):.4f}, "
+           f"below 0.01 for {np.mean(tvds < 0.01):.0%} of the pairs.", ""]
+  lines += _table(["layer", "head", "median tau", "median permutation TVD",
+                   "median max attention"],
+                  [[layer, head, float(np.nanmedian(values("kendall_tau", layer=layer, head=head))),
+                    float(np.median(values("permutation_tvd", layer=layer, head=head))),
+                    float(np.median(values("max_attention", layer=layer, head=head)))]
+                   for layer in layers for head in range(config.model.num_heads)])
+  lines += ["", CAVEAT]
+  _write_summary(os.path.join(out, "summary.md"), lines)
+  return rows
+
+
 # ---- head_importance
 
 
@@ -356,15 +502,22 @@ def _masked_evaluation(run: Checkpoints, state, mask_LxN, batches):
 def head_importance(run: Checkpoints, name: str, out: str, settings: Settings) -> list[dict]:
   config = run.config
   step, state = run.state()
-  projections = heads.output_projections(nnx.merge(run.graphdef, state))
+  model = nnx.merge(run.graphdef, state)
+  projections = heads.output_projections(model)
   has_heads = np.asarray([p is not None for p in projections])
-  heads_alive = np.repeat(has_heads[:, None], config.model.num_heads, axis=1)
+  num_heads = config.model.num_heads
+  heads_alive = np.repeat(has_heads[:, None], num_heads, axis=1)
+  group_sizes = [size if headed else 1
+                 for size, headed in zip(heads.kv_group_sizes(model), has_heads)]
+  groups_alive = heads.groups_of_heads(heads_alive, group_sizes)
+  # Group pruning where some layer shares key/value heads and has more than one of them.
+  grouped = any(1 < size < num_heads for size, headed in zip(group_sizes, has_heads) if headed)
   batches = list(data.eval_batches(config, config.train.seq_len, "nonoverlapping"))
-  total = int(heads_alive.sum())
+  total, total_groups = int(heads_alive.sum()), int(groups_alive.sum())
   rows, initial = [], None
-  for order in ("importance", "random"):
+  for order in ("importance", "random") + (("kv_groups",) if grouped else ()):
     rng = np.random.default_rng(settings.seed)
-    alive = heads_alive.copy()
+    alive, groups = heads_alive.copy(), groups_alive.copy()
     while True:
       importance, loss, accuracy = _masked_evaluation(run, state, alive, batches)
       scores = heads.normalise_per_layer(importance)
@@ -372,14 +525,25 @@ def head_importance(run: Checkpoints, name: str, out: str, settings: Settings) -
         initial = np.where(heads_alive, scores, np.nan)
       rows.append({"run": name, "step": step, "order": order,
                    "heads_removed": total - int(alive.sum()),
-                   "fraction_removed": float(1 - alive.sum() / total), "loss": loss,
+                   "fraction_removed": float(1 - alive.sum() / total),
+                   "kv_heads_removed": total_groups - int(groups.sum()) if grouped else "",
+                   "loss": loss,
                    "perplexity": float(np.exp(min(loss, 700.0))), "accuracy": accuracy})
-      removed = heads.heads_to_remove(scores if order == "importance" else rng.random(alive.shape),
-                                      alive, settings.prune_fraction)
+      if order == "kv_groups":
+        removed = heads.heads_to_remove(heads.group_scores(scores, group_sizes), groups,
+                                        settings.prune_fraction)
+        for layer, group in removed:
+          groups[layer, group] = False
+        alive = heads.heads_of_groups(groups, group_sizes, num_heads) & heads_alive
+      else:
+        removed = heads.heads_to_remove(
+            scores if order == "importance" else rng.random(alive.shape), alive,
+            settings.prune_fraction)
+        for layer, head in removed:
+          alive[layer, head] = False
+        groups = heads.groups_of_heads(alive, group_sizes)
       if not removed:
         break
-      for layer, head in removed:
-        alive[layer, head] = False
     run.log(f"  {name}: {order} order pruned to {int(alive.sum())} heads")
   importance_rows = [{"run": name, "step": step, "layer": l, "head": h,
                       "importance": float(initial[l, h])}
@@ -401,27 +565,94 @@ def head_importance(run: Checkpoints, name: str, out: str, settings: Settings) -
            "normalised per layer (l2) (Michel et al., arXiv:1905.10650). Pruning removes the "
            f"least important {settings.prune_fraction:.0%} of the remaining heads (at least "
            "one, never a layer's last), re-estimates, and repeats; against heads removed in a "
-           "random order.", "",
+           "random order."
+           + (" Order kv_groups prunes whole key/value groups (a group's score: the sum of its "
+              "query heads' importances; never a layer's last group), which is what shrinks the "
+              "decode cache; kv_heads_removed counts the key/value heads gone." if grouped
+              else ""), "",
            f"- `pruning.png`, `pruning.csv`: {metric} against the fraction of heads removed.",
            "- `importance.csv`: each head's normalised importance in the full model.", "",
            f"Removable by importance with {metric} "
            + ("within 5% of the full model's" if metric == "perplexity" else
               "within 0.01 of the full model's") + f": {max(within):.0%} of the heads.", ""]
-  lines += _table(["order", "heads removed", "fraction", metric],
-                  [[r["order"], r["heads_removed"], f"{r['fraction_removed']:.2f}", r[metric]]
-                   for r in rows])
+  lines += _table(["order", "heads removed", "fraction"] + (["kv heads removed"] if grouped
+                                                             else []) + [metric],
+                  [[r["order"], r["heads_removed"], f"{r['fraction_removed']:.2f}"]
+                   + ([r["kv_heads_removed"]] if grouped else []) + [r[metric]] for r in rows])
   _write_summary(os.path.join(out, "summary.md"), lines)
   return rows + importance_rows
 
 
+# ---- uptraining
+
+
+def _stage(config) -> str:
+  """How a run came to be: from scratch, converted (train.init_from, 0 steps) or uptrained."""
+  if not config.train.init_from:
+    return "from scratch"
+  return "converted" if config.train.num_steps == 0 else "uptrained"
+
+
+def uptraining(run: Checkpoints, name: str, out: str, settings: Settings) -> list[dict]:
+  del settings
+  config = run.config
+  length = config.train.seq_len
+  rows = [r for r in eval_results.latest(eval_results.read(run.directory))
+          if r["eval_length"] == length and r["eval_mode"] == "nonoverlapping"
+          and r.get("rope_scaling", "none") == "none" and r.get("depth") is None]
+  if not rows:
+    raise ValueError(f"{name} has no non-overlapping evaluation at its training length {length}; "
+                     f"evaluate it first (python -m experiments.evaluate --workdir="
+                     f"{run.directory})")
+  source_steps = 0
+  if config.train.init_from:
+    source = config_fields.load_saved(init_from.source_directory(config, run.directory))
+    source_steps = source.train.num_steps
+  model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
+  kv_heads = {getattr(block.mixer, "num_kv_heads", None) for block in model.blocks} - {None}
+  evaluation = rows[-1]
+  row = {"run": name, "attention": config.model.attention,
+         "kv_heads": ",".join(map(str, sorted(kv_heads))), "stage": _stage(config),
+         "steps": config.train.num_steps, "total_steps": source_steps + config.train.num_steps,
+         "perplexity": evaluation["perplexity"],
+         "perplexity_ci_low": evaluation.get("perplexity_ci_low"),
+         "perplexity_ci_high": evaluation.get("perplexity_ci_high"),
+         "cache_bytes": int(model.cache_bytes(1, length)), "eval_length": length,
+         "tokens": evaluation.get("tokens")}
+  _write_csv(os.path.join(out, "uptraining.csv"), [row])
+  _write_summary(os.path.join(out, "summary.md"), [
+      f"# Perplexity and decode cache: {name}", "",
+      f"{row['stage']}, {row['steps']} steps ({row['total_steps']} in all); perplexity "
+      f"{row['perplexity']:.3f} at {length} tokens; decode cache {row['cache_bytes']} bytes per "
+      f"sequence of {length} tokens."])
+  return [row]
+
+
+def _uptraining_summary(rows: list[dict]) -> list[str]:
+  lines = ["Validation perplexity at the training length (non-overlapping windows, 95% "
+           "bootstrap interval) against the decode cache of one sequence of that length. "
+           "Converted: another run's MHA with each group's key and value heads mean-pooled "
+           "(Ainslie et al., arXiv:2305.13245), before any training; uptrained: the same, "
+           "trained on with a fresh optimizer; total steps count the MHA run's too.", ""]
+  return lines + _table(
+      ["run", "attention", "kv heads", "stage", "steps", "total steps", "perplexity",
+       "95% interval", "cache bytes"],
+      [[r["run"], r["attention"], r["kv_heads"], r["stage"], r["steps"], r["total_steps"],
+        float(r["perplexity"]),
+        "" if r["perplexity_ci_low"] is None else
+        f"{r['perplexity_ci_low']:.3f}-{r['perplexity_ci_high']:.3f}", r["cache_bytes"]]
+       for r in rows])
+
+
 ANALYSES = {"attention_maps": attention_maps, "induction": induction,
-            "head_importance": head_importance}
+            "head_importance": head_importance, "explanation": explanation,
+            "uptraining": uptraining}
 
 
 def problem(analysis: str, config) -> str | None:
   """Why `analysis` cannot run on a run of `config`, naming what can; None if it can."""
-  if analysis == "attention_maps" and not _map_layers(config):
-    return f"attention_maps needs attention maps, but {_no_maps(config)}"
+  if analysis in ("attention_maps", "explanation") and not _map_layers(config):
+    return f"{analysis} needs attention maps, but {_no_maps(config)}"
   if analysis == "head_importance" and not any(
       heads.output_projections(nnx.eval_shape(
           lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0))))):
@@ -493,7 +724,8 @@ def analyze(workdir: str, names: list[str], settings: Settings = Settings(),
 def _compare(analysis: str, rows: list[dict], skipped: list[str], out: str):
   """A sweep's runs side by side: all their rows, one figure, a summary."""
   csv_name = {"attention_maps": "distance.csv", "induction": "scores.csv",
-              "head_importance": "pruning.csv"}[analysis]
+              "head_importance": "pruning.csv", "explanation": "explanation.csv",
+              "uptraining": "uptraining.csv"}[analysis]
   if analysis == "head_importance":
     rows = [r for r in rows if "order" in r]
   _write_csv(os.path.join(out, csv_name), rows)
@@ -507,7 +739,18 @@ def _compare(analysis: str, rows: list[dict], skipped: list[str], out: str):
   elif analysis == "head_importance":
     head_plots.save(head_plots.pruning_by_run(rows), os.path.join(out, "pruning.png"))
     lines += ["`pruning.png`: per run, perplexity (or accuracy) against the fraction of heads "
-              "removed, by importance (solid) and in random order (dashed)."]
+              "removed, by importance (solid), in random order (dashed) and, for grouped-query "
+              "runs, by whole key/value groups (dotted)."]
+  elif analysis == "uptraining":
+    head_plots.save(head_plots.uptraining(rows), os.path.join(out, "uptraining.png"))
+    lines += ["`uptraining.png`: perplexity (left) and decode-cache bytes (right) per run.", ""]
+    lines += _uptraining_summary(rows)
+  elif analysis == "explanation":
+    head_plots.save(head_plots.explanation_by_run(rows), os.path.join(out, "explanation.png"))
+    lines += ["`explanation.png`: per run, the distribution over (example, head) pairs of "
+              "Kendall's tau between attention and gradient-times-input importance, and of the "
+              "median output change (total variation distance) when the attention row is "
+              "permuted (Jain & Wallace, arXiv:1902.10186).", "", CAVEAT]
   else:
     head_plots.save(head_plots.scores_by_run(rows), os.path.join(out, "induction.png"))
     lines += ["`induction.png`: per run, the largest induction score of any head and the ICL "

@@ -15,7 +15,7 @@ from research import sharding
 
 # Scalar train and eval fields: (field, is the value valid, what is valid).
 FIELD_RULES = (
-    ("train.num_steps", lambda v: v >= 1, ">= 1"),
+    ("train.num_steps", lambda v: v >= 0, ">= 1 (0 only with train.init_from)"),
     ("train.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.seq_len", lambda v: v >= 1, ">= 1"),
     ("train.grad_accum_steps", lambda v: v >= 1, ">= 1"),
@@ -64,7 +64,10 @@ def validate_config(config, num_devices, process_count=1):
   if outside:
     raise ValueError(f"train.keep_checkpoints_at has steps {outside} outside 1..train.num_steps="
                      f"{t.num_steps}; give integer steps in that range, or () for none")
-  if not 0 <= t.warmup_steps < t.num_steps:
+  if t.num_steps == 0 and not t.init_from:
+    raise ValueError("train.num_steps=0 must be >= 1 (0 only with train.init_from: the "
+                     "converted model of another run, evaluated without training)")
+  if t.num_steps and not 0 <= t.warmup_steps < t.num_steps:
     raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, num_steps="
                      f"{t.num_steps}); the cosine decay needs at least one step after warmup")
   shape = sharding.mesh_shape(config.mesh.shape, num_devices)

@@ -12,6 +12,12 @@
   pruning               the metric against the fraction of heads removed (by importance, in
                         random order), beside the heads' importances
   pruning_by_run        a sweep: the same, a colour per run
+  explanation           per head, the distribution of Kendall's tau between attention and
+                        gradient importance over examples; the median output change under
+                        permuted attention against the row's largest weight (Jain & Wallace)
+  explanation_by_run    a sweep: both distributions, one violin per run
+  uptraining            a sweep: perplexity (95% interval) and decode-cache bytes per run,
+                        coloured by how the run came to be (scratch, converted, uptrained)
 """
 
 import matplotlib
@@ -24,6 +30,8 @@ from matplotlib import colors as mcolors  # noqa: E402
 from research import plots  # noqa: E402
 
 save = plots.save
+# Pruning orders (research.analyze.head_importance) and their line styles.
+ORDER_STYLES = {"importance": "-", "random": "--", "kv_groups": ":"}
 
 
 def attention_grid(weights: dict, labels: list[str] | None, title: str) -> matplotlib.figure.Figure:
@@ -148,7 +156,7 @@ def mean_distance_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
 
 
 def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4), squeeze=False, layout="constrained")
+  """The panels that have values: tasks have no ICL score, mixers without maps no induction."""
   best = {}
   for r in rows:
     if r["measure"] == "induction":
@@ -156,9 +164,13 @@ def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
       best[key] = max(best.get(key, -1.0), r["value"])
   best_rows = [{"run": run, "step": step, "measure": "best", "value": v}
                for (run, step), v in best.items()]
-  for ax, (measure, source, label) in zip(axes[0], (
+  panels = [(measure, source, label) for measure, source, label in (
       ("best", best_rows, "largest induction score of any head"),
-      ("icl_score", rows, "ICL score (late - early loss)"))):
+      ("icl_score", rows, "ICL score (late - early loss)"))
+            if any(r["measure"] == measure for r in source)]
+  fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False,
+                           layout="constrained")
+  for ax, (measure, source, label) in zip(axes[0], panels):
     for run, (steps, values) in _series(source, measure, lambda r: r["run"]).items():
       ax.plot(steps, values, marker="o", markersize=3, label=run)
     ax.set_xscale("log")
@@ -191,8 +203,8 @@ def pruning(rows: list[dict], importance_LxN: np.ndarray, metric: str,
   full model's normalised head importances."""
   fig, (ax, heat) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained",
                                  gridspec_kw={"width_ratios": [3, 2]})
-  for order, style in (("importance", "-"), ("random", "--")):
-    mine = [r for r in rows if r.get("order") == order]
+  for order in dict.fromkeys(r["order"] for r in rows if "order" in r):
+    mine, style = [r for r in rows if r.get("order") == order], ORDER_STYLES[order]
     ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
             linestyle=style, label=f"{order} order")
   _pruning_axes(ax, metric, legend_size=8)
@@ -211,10 +223,90 @@ def pruning_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
   fig, ax = plt.subplots(figsize=(6, 4.5), layout="constrained")
   cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   for k, run in enumerate(dict.fromkeys(r["run"] for r in rows)):
-    for order, style in (("importance", "-"), ("random", "--")):
+    for order, style in ORDER_STYLES.items():
       mine = [r for r in rows if r["run"] == run and r["order"] == order]
+      if not mine:
+        continue
       ax.plot([r["fraction_removed"] for r in mine], [r[metric] for r in mine], marker="o",
               markersize=3, linestyle=style, color=cycle[k % len(cycle)],
               label=f"{run} ({order})")
   _pruning_axes(ax, metric, legend_size=7)
+  return fig
+
+
+def _violins(ax, groups: list[np.ndarray], labels: list[str], ylabel: str):
+  """One violin (with its median marked) per group of values; empty or all-nan groups skipped."""
+  kept = [(g[np.isfinite(g)], label) for g, label in zip(groups, labels)]
+  kept = [(g, label) for g, label in kept if g.size]
+  if kept:
+    ax.violinplot([g for g, _ in kept], showmedians=True)
+  ax.set_xticks(range(1, len(kept) + 1), [label for _, label in kept], rotation=30, ha="right",
+                fontsize=7)
+  ax.set_ylabel(ylabel)
+  ax.grid(alpha=0.3, axis="y")
+
+
+def _measure(rows, measure, **match):
+  return np.asarray([r["value"] for r in rows if r["measure"] == measure
+                     and all(r[k] == v for k, v in match.items())], float)
+
+
+def explanation(rows: list[dict], title: str) -> matplotlib.figure.Figure:
+  pairs = list(dict.fromkeys((r["layer"], r["head"]) for r in rows))
+  fig, (taus, tvds) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+  _violins(taus, [_measure(rows, "kendall_tau", layer=l, head=h) for l, h in pairs],
+           [f"L{l} H{h}" for l, h in pairs], "Kendall tau (attention vs gradient x input)")
+  taus.axhline(0.0, color="black", linewidth=0.8)
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for k, layer in enumerate(dict.fromkeys(l for l, _ in pairs)):
+    tvds.scatter(_measure(rows, "max_attention", layer=layer),
+                 _measure(rows, "permutation_tvd", layer=layer), s=8, alpha=0.6,
+                 color=cycle[k % len(cycle)], label=f"layer {layer}")
+  tvds.set_xlabel("largest attention weight of the row")
+  tvds.set_ylabel("median output TVD, row permuted")
+  tvds.set_yscale("symlog", linthresh=1e-4)
+  tvds.grid(alpha=0.3)
+  tvds.legend(fontsize=7)
+  fig.suptitle(f"{title}: attention as explanation (arXiv:1902.10186), one point per "
+               "example and head", fontsize=9)
+  return fig
+
+
+def explanation_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
+  runs = list(dict.fromkeys(r["run"] for r in rows))
+  fig, (taus, tvds) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(runs) + 4), 4.5),
+                                   layout="constrained")
+  _violins(taus, [_measure(rows, "kendall_tau", run=run) for run in runs], runs,
+           "Kendall tau (attention vs gradient x input)")
+  taus.axhline(0.0, color="black", linewidth=0.8)
+  _violins(tvds, [_measure(rows, "permutation_tvd", run=run) for run in runs], runs,
+           "output TVD, row permuted (median)")
+  return fig
+
+
+STAGE_COLOURS = {"from scratch": "tab:blue", "converted": "tab:red", "uptrained": "tab:green"}
+
+
+def uptraining(rows: list[dict]) -> matplotlib.figure.Figure:
+  fig, (ppl, cache) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+  labels = [f"{r['attention']} kv={r['kv_heads']}\n{r['stage']} ({r['total_steps']} steps)"
+            for r in rows]
+  x = np.arange(len(rows))
+  colours = [STAGE_COLOURS.get(r["stage"], "gray") for r in rows]
+  values = np.asarray([r["perplexity"] for r in rows], float)
+  low = np.asarray([r["perplexity_ci_low"] or r["perplexity"] for r in rows], float)
+  high = np.asarray([r["perplexity_ci_high"] or r["perplexity"] for r in rows], float)
+  ppl.bar(x, values, color=colours, alpha=0.8)
+  ppl.errorbar(x, values, yerr=[values - low, high - values], fmt="none", color="black",
+               capsize=3)
+  ppl.set_yscale("log")
+  plots._plain_log_ticks(ppl.yaxis)  # noqa: SLF001
+  ppl.set_ylabel("validation perplexity at the training length")
+  cache.bar(x, [r["cache_bytes"] / 1024 for r in rows], color=colours, alpha=0.8)
+  cache.set_ylabel("decode cache per sequence (KiB)")
+  for ax in (ppl, cache):
+    ax.set_xticks(x, labels, rotation=35, ha="right", fontsize=7)
+    ax.grid(alpha=0.3, axis="y", which="both")
+  fig.suptitle("MHA to GQA: converted by mean-pooling, uptrained, or trained from scratch "
+               "(arXiv:2305.13245)", fontsize=9)
   return fig

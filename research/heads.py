@@ -14,11 +14,24 @@ key j; research.attention.softmax: `attention_weights`) and from the loss at eac
       window of L tokens (`icl_positions`); negative: later tokens, with more context, are easier.
 
 A uniform causal head scores mean_{i in [P, 2P)} 1 / (i + 1) ~ ln(2) / P on induction.
+
+Attention as explanation (Jain & Wallace, arXiv:1902.10186), for one prediction (the next token
+after the last position t of a window) and one head's attention row a = P[b, n, t, :]:
+  gradient importance      g_j = |e_j . d p_y / d e_j|, e_j the input embedding of token j and
+      p_y the probability of the predicted token (the authors' gradient-times-embedding of the
+      predicted class's probability, in absolute value); rankings are those of d log p_y
+  kendall_tau(a, g)        Kendall's tau-b over the keys the row can see
+  permutation TVD          TVD(y, y') = 1/2 sum_v |y_v - y'_v| between the output distributions
+      with a and with a permuted over its visible keys (`permute_visible`), the median over
+      permutations; small: other weights give the same output.
 """
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from scipy import stats
 
 # Olsson et al.'s token positions in their 512-token context, scaled to the window length.
 ICL_EARLY = (40, 50)
@@ -104,6 +117,9 @@ def icl_score(loss_by_position: np.ndarray) -> dict:
 # o = sum_n xi_n y_n W_n: applied as xi_n W_n on the projection's [N, H, D] kernel, the same
 # product, so no mixer changes and xi = 1 is exactly the model. Importance
 # I_h = E_batches |dL/dxi_h| at the current mask, normalised per layer to unit l2 norm.
+# With grouped-query attention a key/value head serves a group of query heads; removing the
+# whole group is what shrinks the decode cache. A group's score is the sum of its query heads'
+# normalised importances, and the groups are pruned as heads are.
 
 
 def output_projections(model) -> list:
@@ -124,6 +140,13 @@ def mask_heads(model, mask_LxN):
     if out is not None:
       kernel_NxHxD = out.kernel[...]
       out.kernel[...] = kernel_NxHxD * mask_LxN[layer][:, None, None].astype(kernel_NxHxD.dtype)
+
+
+def kv_group_sizes(model) -> list[int]:
+  """Per layer, the query heads that share each key/value head (N / K: grouped-query softmax
+  attention), 1 for every other layer."""
+  return [block.mixer.num_heads // getattr(block.mixer, "num_kv_heads", block.mixer.num_heads)
+          if hasattr(block.mixer, "num_heads") else 1 for block in model.blocks]
 
 
 def normalise_per_layer(importance_LxN: np.ndarray) -> np.ndarray:
@@ -148,3 +171,50 @@ def heads_to_remove(scores_LxN: np.ndarray, alive_LxN: np.ndarray, fraction: flo
       alive[layer, head] = False
       removed.append((int(layer), int(head)))
   return removed
+
+
+def group_scores(scores_LxN: np.ndarray, group_sizes: list[int]) -> np.ndarray:
+  """[L, max groups]: each key/value group's score, the sum over its query heads (layer l's
+  query head n reads key/value head n // group_sizes[l]); 0 where a layer has fewer groups."""
+  num_layers, num_heads = scores_LxN.shape
+  grouped = np.zeros((num_layers, num_heads // min(group_sizes)))
+  for layer, size in enumerate(group_sizes):
+    grouped[layer, :num_heads // size] = scores_LxN[layer].reshape(-1, size).sum(axis=1)
+  return grouped
+
+
+def groups_of_heads(alive_LxN: np.ndarray, group_sizes: list[int]) -> np.ndarray:
+  """[L, max groups] bool: a key/value group is alive while one of its query heads is."""
+  num_layers, num_heads = alive_LxN.shape
+  groups = np.zeros((num_layers, num_heads // min(group_sizes)), bool)
+  for layer, size in enumerate(group_sizes):
+    groups[layer, :num_heads // size] = alive_LxN[layer].reshape(-1, size).any(axis=1)
+  return groups
+
+
+def heads_of_groups(groups_LxK: np.ndarray, group_sizes: list[int], num_heads: int) -> np.ndarray:
+  """[L, N] bool: query head n of layer l is alive if its key/value group n // size is."""
+  return np.stack([np.repeat(groups_LxK[layer, :num_heads // size], size)
+                   for layer, size in enumerate(group_sizes)]).astype(bool)
+
+
+# ---- Attention as explanation (Jain & Wallace, arXiv:1902.10186)
+
+
+def permute_visible(row_S: jax.Array, visible_S: jax.Array, key: jax.Array) -> jax.Array:
+  """The attention row with its weights on the visible keys in a random order (the invisible
+  keys keep their zeros)."""
+  size = row_S.shape[0]
+  in_order = jnp.argsort(jnp.where(visible_S, 0, 1), stable=True)  # visible keys first
+  shuffled = jnp.argsort(jnp.where(visible_S, jax.random.uniform(key, (size,)), 2.0))
+  return row_S.at[in_order].set(row_S[shuffled])
+
+
+def total_variation(p_V: np.ndarray, q_V: np.ndarray) -> np.ndarray:
+  """1/2 sum_v |p_v - q_v| over the last axis."""
+  return 0.5 * np.abs(np.asarray(p_V, np.float64) - np.asarray(q_V, np.float64)).sum(axis=-1)
+
+
+def kendall_tau(attention_S: np.ndarray, importance_S: np.ndarray) -> float:
+  """Kendall's tau-b between a head's weights and the tokens' importances (nan if constant)."""
+  return float(stats.kendalltau(attention_S, importance_S).statistic)

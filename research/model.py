@@ -241,6 +241,27 @@ class LanguageModel(nnx.Module):
       x = block(x, positions_BxL, segments_BxL)
     return weights
 
+  def probe(self, tokens_BxL, positions_BxL=None, segments_BxL=None, *, input_offset_BxLxD=None,
+            edit_attention=None):
+    """The logits of `__call__` with two hooks for analyses (research.analyze): the embedded
+    input plus `input_offset_BxLxD` (its gradient at zero is the gradient with respect to the
+    input embeddings), and each layer l of `edit_attention` ({l: edit}, softmax layers) run
+    with its attention probabilities P replaced by edit(P, mask)
+    (SoftmaxAttention.with_edited_weights, materialised: the xla path)."""
+    edit_attention = edit_attention or {}
+    positions_BxL = self._positions(tokens_BxL, positions_BxL, segments_BxL)
+    x = self._embed(tokens_BxL, positions_BxL)
+    if input_offset_BxLxD is not None:
+      x = x + input_offset_BxLxD.astype(x.dtype)
+    for layer, block in enumerate(self.blocks):
+      if layer in edit_attention:
+        y = block.mixer.with_edited_weights(block.mixer_norm(x), positions_BxL, segments_BxL,
+                                            edit_attention[layer])
+        x = block._feed_forward(x + y)
+      else:
+        x = block(x, positions_BxL, segments_BxL)
+    return self._logits(x)
+
   def init_cache(self, batch_size, max_length):
     return {"index": jnp.zeros((), jnp.int32),
             "layers": [block.init_cache(batch_size, max_length) for block in self.blocks]}

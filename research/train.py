@@ -32,6 +32,7 @@ from research import data
 from research import evaluate
 from research import feed_forward
 from research import flops
+from research import init_from
 from research import model as model_lib
 from research import sharding
 from research import workdir_lock
@@ -52,7 +53,8 @@ def make_optimizer(config):
   t = config.train
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
-      decay_steps=t.num_steps, end_value=t.learning_rate * t.end_learning_rate_fraction)
+      decay_steps=max(t.num_steps, t.warmup_steps + 1),  # num_steps 0: never evaluated
+      end_value=t.learning_rate * t.end_learning_rate_fraction)
 
   # Each parameter's own `weight_decay` metadata, declared where it is created (research.nn),
   # read once from the abstract model; the mask looks parameters up by their path, so it serves
@@ -118,6 +120,8 @@ def train_and_evaluate(config, workdir):
   is_writer = jax.process_index() == 0
   with workdir_lock.hold(workdir) if is_writer else contextlib.nullcontext():
     checks.check_workdir(workdir, config)
+    if config.train.init_from and not checkpoints.steps(workdir):
+      init_from.check(config, workdir)
     if is_writer:  # atomically: the other processes read it in check_workdir
       with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
         f.write(config.to_json(indent=2, sort_keys=True))
@@ -184,8 +188,14 @@ def _train(config, workdir, mesh, is_writer):
     state = checkpoints.restore_latest(manager,
                                        sharding.sharded_abstract(jax.eval_shape(init_state), mesh),
                                        log=print if is_writer else lambda line: None)
-    if state is None:
+    initialised = state is None
+    if initialised:
       state = jax.jit(init_state, out_shardings=state_shardings)()
+      if t.init_from:  # another run's parameters; the optimizer's state is fresh either way
+        params = init_from.initial_params(config, workdir, mesh,
+                                          log=print if is_writer else lambda line: None)
+        state["params"] = jax.device_put(params, state_shardings["params"])
+        checkpoints.save(manager, 0, state)
   start = int(state["step"])
 
   # ---- 5. The loop.
@@ -193,7 +203,7 @@ def _train(config, workdir, mesh, is_writer):
   flops_per_token = flops.train_flops_per_token(model_for_flops, t.seq_len)
   peak = flops.total_peak_flops()
   writer = MetricWriter(workdir, enabled=is_writer, tensorboard=t.tensorboard, resume_step=start)
-  if is_writer and start == t.num_steps:
+  if is_writer and start == t.num_steps and not initialised:
     print(f"{workdir} is trained to step {start} already; to evaluate it at other lengths or "
           f"scalings: python -m experiments.evaluate --workdir={workdir} "
           "--config.eval.lengths=...", flush=True)

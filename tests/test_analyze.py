@@ -27,8 +27,8 @@ def test_analyze_a_trained_run_writes_figures_csv_and_summary(trained_run, tmp_p
   shutil.copytree(trained, workdir)
   result = subprocess.run(
       [sys.executable, "-m", "experiments.analyze", f"--workdir={workdir}",
-       "--analysis=attention_maps,induction,head_importance", "--num_sequences=2",
-       "--text=the rotary"],
+       "--analysis=attention_maps,induction,head_importance,explanation", "--num_sequences=2",
+       "--num_permutations=3", "--text=the rotary"],
       env=ENV, cwd=ROOT, capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-3000:]
 
@@ -61,6 +61,15 @@ def test_analyze_a_trained_run_writes_figures_csv_and_summary(trained_run, tmp_p
   importance = [float(r["importance"]) for r in _rows(os.path.join(pruning, "importance.csv"))]
   assert sum(i * i for i in importance) == pytest.approx(1.0)  # one layer, l2-normalised
 
+  explanation = os.path.join(workdir, "analysis", "explanation")
+  for name in ("explanation.png", "explanation.csv", "summary.md"):
+    assert os.path.getsize(os.path.join(explanation, name)) > 0, name
+  rows = _rows(os.path.join(explanation, "explanation.csv"))
+  assert len(rows) == 2 * 4 * 3  # examples x heads x (tau, permutation TVD, max attention)
+  for row in rows:
+    value = float(row["value"])
+    assert -1 <= value <= 1 if row["measure"] == "kendall_tau" else 0 <= value <= 1
+
 
 def test_an_analysis_a_run_cannot_take_or_a_run_without_checkpoints_is_a_clear_error(tmp_path):
   config = tiny_config.get_config()
@@ -68,6 +77,8 @@ def test_an_analysis_a_run_cannot_take_or_a_run_without_checkpoints_is_a_clear_e
   (tmp_path / "config.json").write_text(config.to_json())
   with pytest.raises(ValueError, match="attention_maps needs attention maps.*mha, mqa, gqa"):
     analyze.analyze(str(tmp_path), ["attention_maps"], log=lambda line: None)
+  with pytest.raises(ValueError, match="explanation needs attention maps.*mha, mqa, gqa"):
+    analyze.analyze(str(tmp_path), ["explanation"], log=lambda line: None)
   with pytest.raises(FileNotFoundError, match="has no checkpoint"):
     analyze.analyze(str(tmp_path), ["induction"], log=lambda line: None)
   with pytest.raises(ValueError, match="head_importance needs a mixer with heads.*linear"):

@@ -153,3 +153,43 @@ def test_pruning_removes_the_least_important_and_never_a_layers_last_head():
   for fraction in (0.0, 1.0, -0.1):
     with pytest.raises(ValueError, match=r"must be in \(0, 1\)"):
       heads.heads_to_remove(scores, alive, fraction)
+
+
+def test_probe_hooks_reproduce_the_model_and_a_permuted_row_moves_only_its_position():
+  config = tiny_model_config(attention="gqa", position="rope", softmax=dict(window=5, sinks=1))
+  model = model_lib.build_model(config, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+  logits = np.asarray(model(tokens))
+  np.testing.assert_allclose(model.probe(tokens, edit_attention={0: lambda p, mask: p},
+                                         input_offset_BxLxD=jnp.zeros((1, 10, 32))),
+                             logits, atol=1e-5)
+
+  def permute_last_row(probs, mask):
+    row = heads.permute_visible(probs[0, 1, -1], mask[0, 0, -1], jax.random.key(0))
+    visible = np.asarray(mask[0, 0, -1])  # the window's last 5 keys and the sink
+    assert visible.sum() == 6 and float(row[~visible].max()) == 0.0
+    np.testing.assert_allclose(np.sort(row[visible]), np.sort(probs[0, 1, -1][visible]))
+    assert not np.allclose(row, probs[0, 1, -1])
+    return probs.at[0, 1, -1].set(row)
+
+  moved = np.abs(np.asarray(model.probe(tokens, edit_attention={0: permute_last_row})
+                            - logits)).max(axis=-1)[0]
+  assert moved[:-1].max() < 1e-5 < moved[-1]
+  assert heads.total_variation([0.5, 0.5, 0.0], [0.0, 0.5, 0.5]) == pytest.approx(0.5)
+
+
+def test_kv_group_pruning_removes_whole_groups_and_never_a_layers_last():
+  scores = np.asarray([[0.1, 0.2, 0.9, 0.8], [0.5, 0.1, 0.3, 0.4]])
+  sizes = [2, 1]  # layer 0: 2 key/value heads of 2 query heads each; layer 1: MHA
+  grouped = heads.group_scores(scores, sizes)
+  np.testing.assert_allclose(grouped, [[0.3, 1.7, 0, 0], [0.5, 0.1, 0.3, 0.4]])
+  groups = heads.groups_of_heads(np.ones((2, 4), bool), sizes)
+  assert groups.tolist() == [[True, True, False, False], [True] * 4]
+  removed = heads.heads_to_remove(grouped, groups, 0.5)  # 3 of the 6 groups
+  assert removed == [(1, 1), (1, 2), (0, 0)]
+  for layer, group in removed:
+    groups[layer, group] = False
+  assert heads.heads_of_groups(groups, sizes, 4).tolist() == [[False, False, True, True],
+                                                              [True, False, False, True]]
+  assert heads.heads_to_remove(grouped, np.asarray([[False, True, False, False],
+                                                    [True, False, False, False]]), 0.5) == []

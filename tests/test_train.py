@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -22,7 +23,11 @@ from research import checkpoints
 from research import data
 from research import evaluate
 from research import extrapolation
+from research import generate
+from research import init_from
 from research import model as model_lib
+from research import sharding
+from research import sweep
 from research import train
 from research import workdir_lock
 from tests import tiny_config
@@ -382,3 +387,37 @@ def test_a_disk_that_turns_read_only_or_full_stops_the_run_within_seconds(tmp_pa
   with ocp.CheckpointManager(checkpoints.directory(str(tmp_path / "run"))) as manager:
     restored = manager.restore(40, args=ocp.args.StandardRestore())
   assert int(restored["step"]) == 40
+
+
+def test_init_from_converts_a_finished_mha_run_to_gqa_and_refuses_other_models(trained_run,
+                                                                              tmp_path):
+  """A finished MHA run initialises a GQA run with 2 key/value heads by mean-pooling: the
+  logits of the MHA model whose key/value heads are made equal within each group (to their
+  mean); a model that differs in anything but its key/value heads is refused, naming what
+  differs, before anything is written."""
+  source_config, source = trained_run  # mha, 4 heads, 1 layer, finished
+  config = source_config.copy_and_resolve_references()
+  config.model.update(attention="gqa", num_kv_heads=2)
+  config.train.update(init_from=source, num_steps=0, warmup_steps=0)  # an absolute path
+  mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+  params = init_from.initial_params(config, str(tmp_path / "gqa"), mesh, log=lambda line: None)
+  gqa = nnx.merge(nnx.graphdef(nnx.eval_shape(
+      lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))), params)
+  assert gqa.blocks[0].mixer.key.kernel.shape == (32, 2, 8)
+  _, mha = generate.restore(source_config, source)
+  for projection in (mha.blocks[0].mixer.key, mha.blocks[0].mixer.value):
+    kernel = projection.kernel[...]
+    projection.kernel[...] = jnp.repeat((kernel[:, 0::2] + kernel[:, 1::2]) / 2, 2, axis=1)
+  logits = jax.jit(lambda model, tokens: model(tokens))
+  tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]])
+  np.testing.assert_allclose(logits(gqa, tokens), logits(mha, tokens), atol=1e-5)
+
+  for overrides, message in (({"model.d_model": 64}, r"model.d_model: 32 \(source\) vs 64"),
+                             ({"model.attention": "linear"}, "'mha' .source. vs 'linear'"),
+                             ({"train.init_from": "absent"}, "holds no run")):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+      init_from.check(sweep.apply_overrides(config, overrides), str(tmp_path / "bad"))
+  with pytest.raises(ValueError, match="d_model"):
+    train.train_and_evaluate(sweep.apply_overrides(config, {"model.d_model": 64}),
+                             str(tmp_path / "bad"))
+  assert not os.path.exists(tmp_path / "bad" / "config.json")

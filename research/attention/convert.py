@@ -7,13 +7,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def mha_to_gqa(state, num_heads, num_kv_heads):
-  """A copy of an MHA model's nnx.State with key/value kernels [D, N, H] pooled to [D, K, H]."""
+def mha_to_gqa(state, num_heads, num_kv_heads, layers=None):
+  """A copy of an MHA model's nnx.State with key/value kernels [D, N, H] pooled to [D, K, H]
+  (N: the key/value heads of the source, its query heads for MHA; a GQA source with N key/value
+  heads pools to K the same way), in every block or in the blocks `layers`."""
   if num_kv_heads < 1 or num_heads % num_kv_heads:
     raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
   flat = []
   for path, variable in nnx.to_flat_state(state):
-    if len(path) >= 3 and path[-3] == "mixer" and path[-2] in ("key", "value"):
+    pooled_layer = layers is None or (path[0] == "blocks" and path[1] in layers)
+    if len(path) >= 3 and path[-3] == "mixer" and path[-2] in ("key", "value") and pooled_layer:
       d, n, h = variable.value.shape
       if n != num_heads:
         raise ValueError(f"{'.'.join(map(str, path))} has {n} heads, expected {num_heads}")

@@ -150,6 +150,20 @@ class SoftmaxAttention(base.Mixer):
     inspection (research.heads): the xla path's logits (m q k^T / sqrt(d) + bias), mask
     (causal, window and sinks, segments) and float32 softmax, materialised."""
     q, tokens = self._project(x_BxLxD, positions_BxL, segments_BxL)
+    return self._probabilities(q, tokens, positions_BxL, segments_BxL)[0]
+
+  def with_edited_weights(self, x_BxLxD, positions_BxL, segments_BxL, edit):
+    """`__call__` with the probabilities P replaced by edit(P, mask) (mask [B | 1, 1, L, L]:
+    the visible keys), for interventions (research.analyze's permutation test): sum_s P'[n, t, s]
+    v[s, n // G] through the output projection; edit = lambda p, m: p gives `__call__`."""
+    q, tokens = self._project(x_BxLxD, positions_BxL, segments_BxL)
+    probs_BxNxLxL, mask = self._probabilities(q, tokens, positions_BxL, segments_BxL)
+    values = jnp.repeat(tokens["value"], self.num_heads // self.num_kv_heads, axis=2)
+    edited = edit(probs_BxNxLxL, mask).astype(values.dtype)
+    return self.out(jnp.einsum("BNTS,BSNH->BTNH", edited, values))
+
+  def _probabilities(self, q, tokens, positions_BxL, segments_BxL):
+    """(float32 probabilities [B, N, L, L], the mask of visible keys) of a sequence to itself."""
     k = jnp.repeat(tokens["key"], self.num_heads // self.num_kv_heads, axis=2)  # q head n: n // G
     logits_BxNxLxL = jnp.einsum("BTNH,BSNH->BNTS", q, k, preferred_element_type=jnp.float32)
     logits_BxNxLxL = logits_BxNxLxL * self._scale()
@@ -163,7 +177,7 @@ class SoftmaxAttention(base.Mixer):
     mask = masks.allowed(index, index, self.window, self.sinks, segments_BxL, segments_BxL,
                          document_index)
     logits_BxNxLxL = jnp.where(mask, logits_BxNxLxL, jnp.finfo(jnp.float32).min)
-    return jax.nn.softmax(logits_BxNxLxL.astype(jnp.float32), axis=-1)
+    return jax.nn.softmax(logits_BxNxLxL.astype(jnp.float32), axis=-1), mask
 
   def cache_length(self, max_length):
     """Slots of the decode cache: every token, or with a window the sinks and the window."""
