@@ -27,7 +27,7 @@ def get_config():
   m.num_kv_heads = 4  # gqa only; mha uses num_heads, mqa uses 1
   m.mlp_ratio = 4  # 0 drops the MLP (pure Mamba-style stacks)
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
-  m.attention_backend = "xla"  # softmax attention: xla | blockwise | cudnn
+  m.attention_backend = "xla"  # softmax attention: xla | blockwise | cudnn | auto (by length)
   m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
   m.randomize_max_length = 0  # > 0: randomized positions in [0, M) in training (arXiv:2305.16843)
   # Each registered mixer and position scheme declares its own hyperparameters; they appear here

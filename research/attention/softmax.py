@@ -12,8 +12,15 @@ One score path (model.attention_backend):
   blockwise  research.attention.blockwise: exact, online softmax, O(length) memory; the same bias
              function evaluated per tile, forward and backward (gradients to its parameters too)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU only
-Decoding takes the xla path: the new queries against the cache, the bias of the new positions
-against the cached ones, for any number of new tokens in one pass (prefill). The bias is
+  auto       the faster exact path for each call's length (`auto_backend`): cudnn on a GPU with
+             bfloat16 / float16 compute where the mixer allows it; otherwise xla below
+             AUTO_BLOCKWISE_FROM tokens and blockwise from there on (the crossover of the two
+             measured fwd+bwd on a 2-core CPU, 8 heads, head_dim 64: see AUTO_BLOCKWISE_FROM).
+Decoding attends the new queries to the cache (`cached_attention`: the same float32 logits,
+bias, mask and softmax as the xla path), with the bias of the new positions against the cached
+ones, for any number of new tokens in one pass (prefill). The cache keeps keys and values with
+heads before length, [B, K, S, H], so both matmuls of a decode step read it in place: in the
+[B, S, K, H] layout of the sequence path every step copied the whole cache transposed. The bias is
 `score_bias` of per-token bias inputs (here the positions); a subclass may add data-dependent
 ones that the cache keeps per key (research/attention/fox.py: cumulative log forget gates).
 
@@ -37,7 +44,62 @@ from research.attention import masks
 from research.attention.blockwise import blockwise_attention
 from research.positions import BIAS, QK
 
-BACKENDS = ("xla", "blockwise", "cudnn")
+BACKENDS = ("auto", "xla", "blockwise", "cudnn")
+AUTO_BLOCKWISE_FROM = 1024  # TODO measured crossover
+_LARGE_NEGATIVE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
+
+
+# Cache entries stored with heads before length, [B, K, S, H]; any other per-token array a
+# subclass keeps (FoX's log forget gates) stays [B, S, ...] like the sequence path's.
+HEADS_FIRST = frozenset({"key", "value"})
+
+
+def to_cache_layout(name, x_BxTx___):
+  """A per-token array of new tokens, [B, T, ...], in its cache layout."""
+  return x_BxTx___.swapaxes(1, 2) if name in HEADS_FIRST else x_BxTx___
+
+
+def cache_token_axis(name):
+  return 2 if name in HEADS_FIRST else 1
+
+
+def auto_backend(length, backends, compute_dtype, platform=None):
+  """The backend that `auto` runs for a sequence of `length` tokens: cudnn where it may run
+  (a GPU, half-precision compute, among the mixer's `backends`), else xla for short sequences
+  and blockwise from AUTO_BLOCKWISE_FROM tokens on, where skipping the masked half of the
+  tiles and never writing the [length, length] scores outweighs the loop's overheads."""
+  platform = platform or jax.default_backend()
+  if ("cudnn" in backends and platform == "gpu"
+      and jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)):
+    return "cudnn"
+  return "blockwise" if length >= AUTO_BLOCKWISE_FROM else "xla"
+
+
+def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, bias, mask, scale):
+  """softmax(scale q k^T + bias, mask) v of T queries against keys and values in the cache's
+  layout [B, K, S, H]: bias [B', N | 1, T, S] or None, mask [B' | 1, 1, T, S]. Logits and
+  softmax in float32, as jax.nn.dot_product_attention's xla implementation; the query heads of a
+  group share their key/value head without a repeat."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv_heads, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+  group = n // kv_heads
+  q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv_heads, group, h)
+  # Keys on the left: XLA's CPU dot reads k [B, K, S, H] as it is (keys on the right, it would
+  # first copy all of them transposed to [B, K, H, S]).
+  logits_BxKxGxTxS = jnp.einsum("BKSH,BTKGH->BKGTS", k_BxKxSxH, q_BxTxKxGxH,
+                                preferred_element_type=jnp.float32) * scale
+
+  def grouped(x):  # [B', N | 1, T, S] -> [B', K | 1, G | 1, T, S]
+    if x.shape[1] == n:
+      return x.reshape(x.shape[0], kv_heads, group, t, s)
+    return x[:, :, None]
+
+  if bias is not None:
+    logits_BxKxGxTxS = logits_BxKxGxTxS + grouped(bias.astype(q_BxTxNxH.dtype))
+  logits_BxKxGxTxS = jnp.where(grouped(mask), logits_BxKxGxTxS, _LARGE_NEGATIVE)
+  probs_BxKxGxTxS = jax.nn.softmax(logits_BxKxGxTxS, axis=-1).astype(v_BxKxSxH.dtype)
+  out_BxTxKxGxH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BxKxGxTxS, v_BxKxSxH)
+  return out_BxTxKxGxH.reshape(b, t, n, h)
 
 
 class SoftmaxAttention(base.Mixer):
@@ -122,11 +184,18 @@ class SoftmaxAttention(base.Mixer):
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=mask is None,
                                         scale=self._scale(), implementation=implementation)
 
+  def _cached_dot_product(self, q, cache, q_inputs, k_inputs, mask):
+    bias = self.score_bias(self.position, q_inputs, k_inputs)
+    return cached_attention(q, cache["key"], cache["value"], bias, mask, self._scale())
+
   def _attend(self, q, tokens, positions_BxL, segments_BxL=None):
     """Attention of a whole sequence to itself through the configured backend."""
     k, v = tokens["key"], tokens["value"]
     inputs = self._bias_inputs(positions_BxL, tokens)
-    if self.backend == "blockwise":
+    backend = self.backend
+    if backend == "auto":
+      backend = auto_backend(q.shape[1], self.backends, self.dtype)
+    if backend == "blockwise":
       bias_fn, bias_params = self._bias_function()
       return blockwise_attention(q, k, v, inputs, bias_fn, bias_params,
                                  block_size=self.block_size, scale=self._scale(),
@@ -139,7 +208,7 @@ class SoftmaxAttention(base.Mixer):
                         else masks.positions_in_documents(segments_BxL))
       mask = masks.allowed(index, index, self.window, self.sinks, segments_BxL, segments_BxL,
                            document_index)
-    return self._dot_product(q, k, v, inputs, inputs, mask, self.backend)
+    return self._dot_product(q, k, v, inputs, inputs, mask, backend)
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     q, tokens = self._project(x_BxLxD, positions_BxL, segments_BxL)
@@ -171,7 +240,7 @@ class SoftmaxAttention(base.Mixer):
 
   def init_cache(self, batch_size, max_length):
     slots = self.cache_length(max_length)
-    shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
+    shape = (batch_size, self.num_kv_heads, slots, self.head_dim)  # heads before length
     cache = {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
     if self.window:  # the token index held by each slot; -1: empty
       cache["index"] = jnp.full((slots,), -1, jnp.int32)
@@ -207,12 +276,13 @@ class SoftmaxAttention(base.Mixer):
   @staticmethod
   def _write_full(tokens, cache, new_index_T):
     """Each per-token array (key, value, ...) of the new tokens into its cache entry."""
-    new, slots = tokens["key"].shape[1], cache["key"].shape[1]
+    new, slots = tokens["key"].shape[1], cache["key"].shape[2]
     if new > slots:
       raise ValueError(f"{new} new tokens do not fit in a decode cache of {slots} tokens: "
                        "init_cache with max_length >= the prompt and the tokens to generate")
     index = new_index_T[0]
-    return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(cache[name], x, index, 1)
+    return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(
+        cache[name], to_cache_layout(name, x), index, cache_token_axis(name))
                         for name, x in tokens.items()}}
 
   def _write_rolling(self, tokens, cache, new_index_T):
@@ -222,19 +292,23 @@ class SoftmaxAttention(base.Mixer):
     keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
     dropped = self.sinks + self.window  # out of range
     slot = jnp.where(keep, self._slot(new_index_T), dropped)
-    write = lambda old, new: old.at[:, slot].set(new, mode="drop")
-    return {**{name: write(cache[name], x) for name, x in tokens.items()},
+
+    def write(name, new):
+      at = (slice(None),) * cache_token_axis(name) + (slot,)
+      return cache[name].at[at].set(to_cache_layout(name, new), mode="drop")
+
+    return {**{name: write(name, x) for name, x in tokens.items()},
             "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
 
   def _decode_full(self, q, tokens, cache, positions_1xT):
     index = positions_1xT[0, 0]
     cache = self._write_full(tokens, cache, positions_1xT[0])
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
-    capacity = cache["key"].shape[1]
+    capacity = cache["key"].shape[2]
     k_positions_1xS = jnp.arange(capacity)[None]
     mask = masks.visible(positions_1xT[0], k_positions_1xS[0])[None, None]
-    y = self._dot_product(q, cache["key"], cache["value"], self._bias_inputs(positions_1xT, tokens),
-                          self._bias_inputs(k_positions_1xS, cache), mask, "xla")
+    y = self._cached_dot_product(q, cache, self._bias_inputs(positions_1xT, tokens),
+                                 self._bias_inputs(k_positions_1xS, cache), mask)
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
     y = jnp.where(index + tokens["key"].shape[1] <= capacity, y, jnp.nan)
@@ -243,13 +317,14 @@ class SoftmaxAttention(base.Mixer):
   def _decode_rolling(self, q, tokens, cache, positions_1xT):
     """Window + sinks decoding: attend to the cached slots and the new tokens, then write."""
     new_index_T = positions_1xT[0]
-    keys = {name: jnp.concatenate([cache[name], x], axis=1) for name, x in tokens.items()}
+    keys = {name: jnp.concatenate([cache[name], to_cache_layout(name, x)],
+                                  axis=cache_token_axis(name)) for name, x in tokens.items()}
     key_index_S = jnp.concatenate([cache["index"], new_index_T])
     mask = masks.visible(new_index_T, key_index_S, self.window, self.sinks) & (key_index_S >= 0)
     # Empty slots (-1) are masked; their bias is taken at position 0 so that it stays finite.
-    y = self._dot_product(q, keys["key"], keys["value"], self._bias_inputs(positions_1xT, tokens),
-                          self._bias_inputs(jnp.maximum(key_index_S, 0)[None], keys),
-                          mask[None, None], "xla")
+    y = self._cached_dot_product(q, keys, self._bias_inputs(positions_1xT, tokens),
+                                 self._bias_inputs(jnp.maximum(key_index_S, 0)[None], keys),
+                                 mask[None, None])
     return y, self._write_rolling(tokens, cache, new_index_T)
 
   @classmethod
