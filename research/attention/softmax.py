@@ -14,13 +14,16 @@ One score path (model.attention_backend):
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU only
   auto       the faster exact path for each call's length (`auto_backend`): cudnn on a GPU with
              bfloat16 / float16 compute where the mixer allows it; otherwise xla below
-             AUTO_BLOCKWISE_FROM tokens and blockwise from there on (the crossover of the two
-             measured fwd+bwd on a 2-core CPU, 8 heads, head_dim 64: see AUTO_BLOCKWISE_FROM).
+             AUTO_BLOCKWISE_FROM (1024) tokens and blockwise from there on, the crossover of the
+             two measured fwd+bwd on a 2-core CPU. A prefill into an empty cache takes the same
+             rule, so a long prompt runs blockwise.
 Decoding attends the new queries to the cache (`cached_attention`: the same float32 logits,
 bias, mask and softmax as the xla path), with the bias of the new positions against the cached
 ones, for any number of new tokens in one pass (prefill). The cache keeps keys and values with
-heads before length, [B, K, S, H], so both matmuls of a decode step read it in place: in the
-[B, S, K, H] layout of the sequence path every step copied the whole cache transposed. The bias is
+heads before length and batch and heads in one axis, [B K, S, H], so that both matmuls of a
+decode step read it where it is written (in the [B, S, K, H] layout of the sequence path, XLA
+copied the whole cache transposed at every step: about two thirds of a step's time at 4096
+tokens). The bias is
 `score_bias` of per-token bias inputs (here the positions); a subclass may add data-dependent
 ones that the cache keeps per key (research/attention/fox.py: cumulative log forget gates).
 
@@ -34,6 +37,8 @@ kept in slot p (p < S) or S + (p - S) mod W, with its position, so its bytes do 
 context.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -45,22 +50,26 @@ from research.attention.blockwise import blockwise_attention
 from research.positions import BIAS, QK
 
 BACKENDS = ("auto", "xla", "blockwise", "cudnn")
-AUTO_BLOCKWISE_FROM = 1024  # TODO measured crossover
+# `auto`: blockwise from this length on. Measured fwd+bwd on a 2-core CPU (mixers suite: batch 1,
+# 8 heads, head_dim 64, block 128, fp32), xla / blockwise in ms: 256: 13.4 / 12.6, 512: 34.0 /
+# 29.6, 768: 82.3 / 82.5, 1024: 190 / 123, 2048: 764 / 460. Below 1024 the two are within the
+# machine's noise, and xla is one fused op without the loop overheads; from 1024 blockwise is
+# ahead (1.5x) and the gap grows with the length, as does xla's O(length^2) memory.
+AUTO_BLOCKWISE_FROM = 1024
 _LARGE_NEGATIVE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
 
 
-# Cache entries stored with heads before length, [B, K, S, H]; any other per-token array a
-# subclass keeps (FoX's log forget gates) stays [B, S, ...] like the sequence path's.
+# Cache entries stored heads before length, batch and key/value heads in one axis: [B K, S, H].
+# Any other per-token array a subclass keeps (FoX's log forget gates) stays [B, S, ...].
 HEADS_FIRST = frozenset({"key", "value"})
 
 
 def to_cache_layout(name, x_BxTx___):
   """A per-token array of new tokens, [B, T, ...], in its cache layout."""
-  return x_BxTx___.swapaxes(1, 2) if name in HEADS_FIRST else x_BxTx___
-
-
-def cache_token_axis(name):
-  return 2 if name in HEADS_FIRST else 1
+  if name not in HEADS_FIRST:
+    return x_BxTx___
+  b, t, k, h = x_BxTx___.shape
+  return x_BxTx___.swapaxes(1, 2).reshape(b * k, t, h)
 
 
 def auto_backend(length, backends, compute_dtype, platform=None):
@@ -75,31 +84,45 @@ def auto_backend(length, backends, compute_dtype, platform=None):
   return "blockwise" if length >= AUTO_BLOCKWISE_FROM else "xla"
 
 
-def cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, bias, mask, scale):
-  """softmax(scale q k^T + bias, mask) v of T queries against keys and values in the cache's
-  layout [B, K, S, H]: bias [B', N | 1, T, S] or None, mask [B' | 1, 1, T, S]. Logits and
-  softmax in float32, as jax.nn.dot_product_attention's xla implementation; the query heads of a
-  group share their key/value head without a repeat."""
+def cached_attention(q_BxTxNxH, parts, scale):
+  """softmax(scale q k^T + bias, mask) v of T queries against groups of keys in the cache's
+  layout, in one softmax over all of them: parts are (k [B K, S_i, H], v [B K, S_i, H],
+  bias [B', N | 1, T, S_i] or None, mask [B' | 1, 1, T, S_i]), e.g. the cache and the new
+  tokens. Logits and softmax in float32, as jax.nn.dot_product_attention's xla implementation;
+  the query heads of a group share their key/value head without a repeat.
+
+  Both matmuls read the cache as it is stored, so that XLA's CPU dot copies none of it: one
+  batch axis (two would be merged by a reshape that XLA fuses into the cache write, copying
+  the cache for each reader), k the left operand with the logits keys first, [B K, S, G, T],
+  and v the right operand contracted over S (asked for [.., T, S] logits, XLA swaps the
+  operands and copies all of k transposed to [.., H, S] at every decode step, and v as well)."""
   b, t, n, h = q_BxTxNxH.shape
-  kv_heads, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+  kv_heads = parts[0][0].shape[0] // b
   group = n // kv_heads
-  q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv_heads, group, h)
-  # Keys on the left: XLA's CPU dot reads k [B, K, S, H] as it is (keys on the right, it would
-  # first copy all of them transposed to [B, K, H, S]).
-  logits_BxKxGxTxS = jnp.einsum("BKSH,BTKGH->BKGTS", k_BxKxSxH, q_BxTxKxGxH,
+  q_XxGxTxH = (q_BxTxNxH.reshape(b, t, kv_heads, group, h).transpose(0, 2, 3, 1, 4)
+               .reshape(b * kv_heads, group, t, h))  # X = B K
+
+  def keys_first(x):  # [B' | 1, N | 1, T, S] -> [B K, S, G, T]
+    x = (x.reshape(x.shape[0], kv_heads, group, *x.shape[2:]) if x.shape[1] == n
+         else x[:, :, None])
+    x = jnp.broadcast_to(x, (b, kv_heads, group) + x.shape[3:])
+    return jnp.moveaxis(x.reshape(b * kv_heads, group, *x.shape[3:]), -1, 1)
+
+  logits = []
+  for k_XxSxH, _, bias, mask in parts:
+    logits_XxSxGxT = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH,
                                 preferred_element_type=jnp.float32) * scale
-
-  def grouped(x):  # [B', N | 1, T, S] -> [B', K | 1, G | 1, T, S]
-    if x.shape[1] == n:
-      return x.reshape(x.shape[0], kv_heads, group, t, s)
-    return x[:, :, None]
-
-  if bias is not None:
-    logits_BxKxGxTxS = logits_BxKxGxTxS + grouped(bias.astype(q_BxTxNxH.dtype))
-  logits_BxKxGxTxS = jnp.where(grouped(mask), logits_BxKxGxTxS, _LARGE_NEGATIVE)
-  probs_BxKxGxTxS = jax.nn.softmax(logits_BxKxGxTxS, axis=-1).astype(v_BxKxSxH.dtype)
-  out_BxTxKxGxH = jnp.einsum("BKGTS,BKSH->BTKGH", probs_BxKxGxTxS, v_BxKxSxH)
-  return out_BxTxKxGxH.reshape(b, t, n, h)
+    if bias is not None:
+      logits_XxSxGxT = logits_XxSxGxT + keys_first(bias.astype(q_BxTxNxH.dtype))
+    logits.append(jnp.where(keys_first(mask), logits_XxSxGxT, _LARGE_NEGATIVE))
+  probs_XxSxGxT = jax.nn.softmax(jnp.concatenate(logits, axis=1), axis=1)
+  splits = list(itertools.accumulate(k.shape[1] for k, _, _, _ in parts[:-1]))
+  out_XxGxTxH = sum(
+      jnp.einsum("XSGT,XSH->XGTH", p.astype(v_XxSxH.dtype), v_XxSxH,
+                 preferred_element_type=jnp.float32)
+      for p, (_, v_XxSxH, _, _) in zip(jnp.split(probs_XxSxGxT, splits, axis=1), parts))
+  out_BxTxKxGxH = out_XxGxTxH.reshape(b, kv_heads, group, t, h).transpose(0, 3, 1, 2, 4)
+  return out_BxTxKxGxH.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
 
 
 class SoftmaxAttention(base.Mixer):
@@ -184,9 +207,19 @@ class SoftmaxAttention(base.Mixer):
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=mask is None,
                                         scale=self._scale(), implementation=implementation)
 
-  def _cached_dot_product(self, q, cache, q_inputs, k_inputs, mask):
-    bias = self.score_bias(self.position, q_inputs, k_inputs)
-    return cached_attention(q, cache["key"], cache["value"], bias, mask, self._scale())
+  def _cached_dot_product(self, q, q_inputs, parts):
+    """Attention of the new tokens' queries to parts (per-token arrays in the cache's layout,
+    their bias inputs, mask [1, 1, T, S_i]) in one softmax (cached_attention)."""
+    return cached_attention(
+        q, [(arrays["key"], arrays["value"], self.score_bias(self.position, q_inputs, k_inputs),
+             mask) for arrays, k_inputs, mask in parts], self._scale())
+
+  def _new_tokens_part(self, tokens, positions_1xT):
+    """The new tokens as keys of each other: causal (within the window), in the cache layout."""
+    index_T = positions_1xT[0]
+    mask = masks.visible(index_T, index_T, self.window, self.sinks)[None, None]
+    return ({name: to_cache_layout(name, x) for name, x in tokens.items()},
+            self._bias_inputs(positions_1xT, tokens), mask)
 
   def _attend(self, q, tokens, positions_BxL, segments_BxL=None):
     """Attention of a whole sequence to itself through the configured backend."""
@@ -240,7 +273,7 @@ class SoftmaxAttention(base.Mixer):
 
   def init_cache(self, batch_size, max_length):
     slots = self.cache_length(max_length)
-    shape = (batch_size, self.num_kv_heads, slots, self.head_dim)  # heads before length
+    shape = (batch_size * self.num_kv_heads, slots, self.head_dim)  # HEADS_FIRST
     cache = {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
     if self.window:  # the token index held by each slot; -1: empty
       cache["index"] = jnp.full((slots,), -1, jnp.int32)
@@ -276,14 +309,13 @@ class SoftmaxAttention(base.Mixer):
   @staticmethod
   def _write_full(tokens, cache, new_index_T):
     """Each per-token array (key, value, ...) of the new tokens into its cache entry."""
-    new, slots = tokens["key"].shape[1], cache["key"].shape[2]
+    new, slots = tokens["key"].shape[1], cache["key"].shape[1]
     if new > slots:
       raise ValueError(f"{new} new tokens do not fit in a decode cache of {slots} tokens: "
                        "init_cache with max_length >= the prompt and the tokens to generate")
     index = new_index_T[0]
     return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(
-        cache[name], to_cache_layout(name, x), index, cache_token_axis(name))
-                        for name, x in tokens.items()}}
+        cache[name], to_cache_layout(name, x), index, 1) for name, x in tokens.items()}}
 
   def _write_rolling(self, tokens, cache, new_index_T):
     """Keep what later tokens can still see: token p in its slot (_slot), if it is a sink or
@@ -293,38 +325,35 @@ class SoftmaxAttention(base.Mixer):
     dropped = self.sinks + self.window  # out of range
     slot = jnp.where(keep, self._slot(new_index_T), dropped)
 
-    def write(name, new):
-      at = (slice(None),) * cache_token_axis(name) + (slot,)
-      return cache[name].at[at].set(to_cache_layout(name, new), mode="drop")
-
-    return {**{name: write(name, x) for name, x in tokens.items()},
+    write = lambda old, new: old.at[:, slot].set(new, mode="drop")
+    return {**{name: write(cache[name], to_cache_layout(name, x)) for name, x in tokens.items()},
             "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
 
   def _decode_full(self, q, tokens, cache, positions_1xT):
+    """Write the new tokens, then attend to the cache up to them. (Reading the cache before
+    the write, XLA copies it to keep the old values for the readers.)"""
     index = positions_1xT[0, 0]
     cache = self._write_full(tokens, cache, positions_1xT[0])
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
-    capacity = cache["key"].shape[2]
-    k_positions_1xS = jnp.arange(capacity)[None]
-    mask = masks.visible(positions_1xT[0], k_positions_1xS[0])[None, None]
-    y = self._cached_dot_product(q, cache, self._bias_inputs(positions_1xT, tokens),
-                                 self._bias_inputs(k_positions_1xS, cache), mask)
+    slots_S = jnp.arange(cache["key"].shape[1])
+    mask = masks.visible(positions_1xT[0], slots_S)[None, None]
+    y = self._cached_dot_product(q, self._bias_inputs(positions_1xT, tokens),
+                                 [(cache, self._bias_inputs(slots_S[None], cache), mask)])
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
-    y = jnp.where(index + tokens["key"].shape[1] <= capacity, y, jnp.nan)
+    y = jnp.where(index + tokens["key"].shape[1] <= slots_S.shape[0], y, jnp.nan)
     return y, cache
 
   def _decode_rolling(self, q, tokens, cache, positions_1xT):
-    """Window + sinks decoding: attend to the cached slots and the new tokens, then write."""
-    new_index_T = positions_1xT[0]
-    keys = {name: jnp.concatenate([cache[name], to_cache_layout(name, x)],
-                                  axis=cache_token_axis(name)) for name, x in tokens.items()}
-    key_index_S = jnp.concatenate([cache["index"], new_index_T])
+    """Window + sinks decoding: attend to the cached slots and the new tokens, then write (the
+    new tokens may overwrite slots that the first of them still see)."""
+    new_index_T, key_index_S = positions_1xT[0], cache["index"]
     mask = masks.visible(new_index_T, key_index_S, self.window, self.sinks) & (key_index_S >= 0)
     # Empty slots (-1) are masked; their bias is taken at position 0 so that it stays finite.
-    y = self._cached_dot_product(q, keys, self._bias_inputs(positions_1xT, tokens),
-                                 self._bias_inputs(jnp.maximum(key_index_S, 0)[None], keys),
-                                 mask[None, None])
+    cached = (cache, self._bias_inputs(jnp.maximum(key_index_S, 0)[None], cache),
+              mask[None, None])
+    y = self._cached_dot_product(q, self._bias_inputs(positions_1xT, tokens),
+                                 [cached, self._new_tokens_part(tokens, positions_1xT)])
     return y, self._write_rolling(tokens, cache, new_index_T)
 
   @classmethod
