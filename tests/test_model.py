@@ -107,7 +107,7 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(attention="linear", position="alibi"), "'linear' does not support position 'alibi' \\(it needs the bias hook.*compatible positions: none, sinusoidal, rope, learned, xpos, prope"),
     (dict(attention="linear", position="fire"), "'linear' does not support position 'fire'"),
     (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
-    (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: xla, blockwise, cudnn"),
+    (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: auto, xla, blockwise, cudnn"),
     (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'; use 'xla' or 'blockwise'"),
     (dict(attention="fox", position="none", attention_backend="cudnn"), "'fox' does not run on attention_backend 'cudnn'.*use 'blockwise'"),
     (dict(attention="fox", position="rope"), "'fox' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
@@ -134,6 +134,24 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
 def test_bad_model_config_fails_at_build_time(overrides, message):
   with pytest.raises(ValueError, match=message):
     research.build_model(tiny_model_config(**overrides), rngs=nnx.Rngs(0))
+
+
+def test_auto_backend_picks_by_length_and_device():
+  from research.attention.softmax import AUTO_BLOCKWISE_FROM, auto_backend
+  mha, fox = attention.MHA.backends, attention.ForgettingAttention.backends
+  assert auto_backend(AUTO_BLOCKWISE_FROM - 1, mha, jnp.float32, "cpu") == "xla"
+  assert auto_backend(AUTO_BLOCKWISE_FROM, mha, jnp.float32, "cpu") == "blockwise"
+  assert auto_backend(64, mha, jnp.bfloat16, "gpu") == "cudnn"
+  assert auto_backend(64, mha, jnp.float32, "gpu") == "xla"  # cuDNN needs half precision
+  assert auto_backend(AUTO_BLOCKWISE_FROM, fox, jnp.bfloat16, "gpu") == "blockwise"  # no cudnn
+  # Long enough for blockwise, not a multiple of its block: the same logits as xla.
+  length, config = AUTO_BLOCKWISE_FROM + 3, dict(d_model=8, num_heads=2, num_layers=1)
+  tokens = jax.random.randint(jax.random.key(0), (1, length), 0, 32)
+  models = [research.build_model(tiny_model_config(attention_backend=backend, **config),
+                                 rngs=nnx.Rngs(0)) for backend in ("auto", "xla")]
+  assert "while" in str(jax.make_jaxpr(lambda t: models[0](t))(tokens))  # blockwise's loops
+  auto, xla = (jax.jit(lambda m, t: m(t))(model, tokens) for model in models)
+  np.testing.assert_allclose(auto, xla, atol=2e-5, rtol=2e-5)
 
 
 def test_hybrid_of_only_attention_still_rejects_incompatible_positions():

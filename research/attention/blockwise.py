@@ -30,13 +30,23 @@ from research.attention import masks
 _MASKED = -1e30
 
 
-def _block(x, index, size):
-  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=1)
+def _block(x, index, size, axis=1):
+  return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
 
 
-def _add_to_block(x, update, index, size):
-  return jax.lax.dynamic_update_slice_in_dim(x, _block(x, index, size) + update, index * size,
-                                             axis=1)
+def _add_to_block(x, update, index, size, axis=1):
+  return jax.lax.dynamic_update_slice_in_dim(x, _block(x, index, size, axis) + update,
+                                             index * size, axis=axis)
+
+
+def _heads_first(x):
+  """[B, T, K, (G,) H] -> [B, K, (G,) T, H]: every tile's matmuls then read contiguous rows."""
+  return jnp.moveaxis(x, 1, -2)
+
+
+def _length_second(x):
+  """The inverse of _heads_first."""
+  return jnp.moveaxis(x, -2, 1)
 
 
 def _is_float(x):
@@ -56,18 +66,21 @@ def _with_floats(tree, floats, integers=lambda x: x):
 
 
 def _unblock(blocks, like):
-  """[num_blocks, B, block, ...] -> like's [B, num_blocks * block, ...] and dtype."""
-  return blocks.swapaxes(0, 1).reshape(like.shape).astype(like.dtype)
+  """[num_blocks, B, K, (G,) block, H] -> like's [B, num_blocks * block, K, (G,) H] and dtype."""
+  blocks = jnp.moveaxis(blocks, 0, -3)  # [B, K, (G,) num_blocks, block, H]
+  return _length_second(blocks.reshape(blocks.shape[:-3] + (-1, blocks.shape[-1]))).astype(
+      like.dtype)
 
 
 class _Tiles:
   """The logits of tile (i, j) and, for the backward pass, the pullback of its bias."""
 
   def __init__(self, q, k, inputs, segments, bias_fn, bias_params, block, scale, window, sinks):
+    # q [B, K, G, T, H], k [B, K, T, H]: heads before length.
     self.q, self.k, self.inputs, self.segments = q, k, inputs, segments
     self.bias_fn, self.bias_params = bias_fn, bias_params
     self.block, self.scale, self.window, self.sinks = block, scale, window, sinks
-    self.num_blocks = q.shape[1] // block
+    self.num_blocks = q.shape[3] // block
     packed = segments is not None
     # Sinks are the first tokens of each document: the keys' indices within their documents.
     self.document_index = (masks.positions_in_documents(segments) if packed and sinks else None)
@@ -87,7 +100,7 @@ class _Tiles:
   def bias(self, i, j):
     """(bias [B', K, G, Q, S] or None, pullback from such a cotangent to (d params, d float
     inputs of query block i, d float inputs of key block j))."""
-    b, _, kv_heads, group, _ = self.q.shape
+    b, kv_heads, group, _, _ = self.q.shape
     q_in = jax.tree.map(lambda x: _block(x, i, self.block), self.inputs)
     k_in = jax.tree.map(lambda x: _block(x, j, self.block), self.inputs)
 
@@ -108,7 +121,7 @@ class _Tiles:
 
   def logits(self, q_i, i, j, bias):
     """Biased, causally masked logits of one tile, [B, K, G, Q, S], in float32."""
-    s = jnp.einsum("bqkgh,bskh->bkgqs", q_i, _block(self.k, j, self.block),
+    s = jnp.einsum("bkgqh,bksh->bkgqs", q_i, _block(self.k, j, self.block, axis=2),
                    preferred_element_type=jnp.float32) * self.scale
     if bias is not None:
       s = s + bias
@@ -125,12 +138,16 @@ class _Tiles:
 
 
 def _forward(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, window, sinks):
+  """(out [B, T, K, G, H], row log-sum-exp [num_blocks, B, K, G, block]) of q [B, T, K, G, H]
+  and k, v [B, T, K, H]."""
   num_blocks = q.shape[1] // block
+  like = q
+  q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
   tiles = _Tiles(q, k, inputs, segments, bias_fn, bias_params, block, scale, window, sinks)
 
   def query_block(i):
-    q_i = _block(q, i, block)
-    b, _, kh, g, h = q_i.shape
+    q_i = _block(q, i, block, axis=3)
+    b, kh, g, _, h = q_i.shape
     count, key_block = tiles.key_blocks(i)
 
     def visit(c, carry):
@@ -143,7 +160,7 @@ def _forward(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, wind
       p = jnp.exp(s - m_new[..., None])
       correction = jnp.exp(m - m_new)
       l = l * correction + p.sum(-1)
-      pv = jnp.einsum("bkgqs,bskh->bkgqh", p.astype(v.dtype), _block(v, j, block),
+      pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), _block(v, j, block, axis=2),
                       preferred_element_type=jnp.float32)
       return m_new, l, acc * correction[..., None] + pv
 
@@ -151,11 +168,10 @@ def _forward(q, k, v, inputs, segments, bias_params, block, scale, bias_fn, wind
             jnp.zeros((b, kh, g, block), jnp.float32),
             jnp.zeros((b, kh, g, block, h), jnp.float32))
     m, l, acc = jax.lax.fori_loop(0, count, visit, init)
-    out = (acc / l[..., None]).transpose(0, 3, 1, 2, 4)  # [B, Q, K, G, H]
-    return out.astype(q.dtype), m + jnp.log(l)
+    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
   out_blocks, lse_blocks = jax.lax.map(query_block, jnp.arange(num_blocks))
-  return _unblock(out_blocks, q), lse_blocks  # lse: [num_blocks, B, K, G, block]
+  return _unblock(out_blocks, like), lse_blocks
 
 
 _STATIC = (6, 7, 8, 9, 10)  # block, scale, bias_fn, window, sinks
@@ -174,16 +190,17 @@ def _attention_fwd(q, k, v, inputs, segments, bias_params, block, scale, bias_fn
 
 
 def _attention_bwd(block, scale, bias_fn, window, sinks, residuals, d_out):
-  q, k, v, inputs, segments, bias_params, out, lse = residuals
-  num_blocks = q.shape[1] // block
+  q_like, k_like, v_like, inputs, segments, bias_params, out, lse = residuals
+  num_blocks = q_like.shape[1] // block
+  q, k, v, d_out = (_heads_first(x) for x in (q_like, k_like, v_like, d_out))
   tiles = _Tiles(q, k, inputs, segments, bias_fn, bias_params, block, scale, window, sinks)
   # delta_i = rowsum(dO_i * O_i), [B, K, G, T]
-  delta = jnp.einsum("bqkgh,bqkgh->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = jnp.einsum("bkgqh,bqkgh->bkgq", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
   def probabilities_and_dlogits(i, j, bias):
-    q_i, do_i = _block(q, i, block), _block(d_out, i, block)
+    q_i, do_i = _block(q, i, block, axis=3), _block(d_out, i, block, axis=3)
     p = jnp.exp(tiles.logits(q_i, i, j, bias) - lse[i][..., None])
-    dp = jnp.einsum("bqkgh,bskh->bkgqs", do_i, _block(v, j, block),
+    dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i, _block(v, j, block, axis=2),
                     preferred_element_type=jnp.float32)
     delta_i = jax.lax.dynamic_slice_in_dim(delta, i * block, block, axis=3)
     return q_i, do_i, p, p * (dp - delta_i[..., None])
@@ -192,16 +209,16 @@ def _attention_bwd(block, scale, bias_fn, window, sinks, residuals, d_out):
     """dK_j and dV_j sum over the query blocks i >= j that see key block j; each tile (i, j) also adds its share to dQ_i,
     to d(bias params) and to d(bias inputs) of blocks i and j, so every tile's logits and bias
     are recomputed once."""
-    k_j, v_j = _block(k, j, block), _block(v, j, block)
+    k_j = _block(k, j, block, axis=2)
 
     def visit(i, inner):
       dk, dv, dq, d_params, d_inputs = inner
       bias, cotangents = tiles.bias(i, j)
       q_i, do_i, p, ds = probabilities_and_dlogits(i, j, bias)
-      dv = dv + jnp.einsum("bkgqs,bqkgh->bskh", p, do_i.astype(jnp.float32))
-      dk = dk + jnp.einsum("bkgqs,bqkgh->bskh", ds, q_i.astype(jnp.float32)) * scale
-      dq_i = jnp.einsum("bkgqs,bskh->bqkgh", ds, k_j.astype(jnp.float32)) * scale
-      dq = jax.lax.dynamic_update_slice_in_dim(dq, _block(dq, i, block) + dq_i, i * block, axis=1)
+      dv = dv + jnp.einsum("bkgqs,bkgqh->bksh", p, do_i.astype(jnp.float32))
+      dk = dk + jnp.einsum("bkgqs,bkgqh->bksh", ds, q_i.astype(jnp.float32)) * scale
+      dq_i = jnp.einsum("bkgqs,bksh->bkgqh", ds, k_j.astype(jnp.float32)) * scale
+      dq = _add_to_block(dq, dq_i, i, block, axis=3)
       if cotangents is not None:
         dp, dq_inputs, dk_inputs = cotangents(ds)
         d_params = jax.tree.map(jnp.add, d_params, dp)
@@ -219,7 +236,8 @@ def _attention_bwd(block, scale, bias_fn, window, sinks, residuals, d_out):
   (dq, d_params, d_inputs), (dk, dv) = jax.lax.scan(key_block, init, jnp.arange(num_blocks))
   d_inputs = _with_floats(inputs, [d.astype(x.dtype) for d, x in zip(d_inputs, _floats(inputs))],
                           integers=lambda x: None)
-  return dq.astype(q.dtype), _unblock(dk, k), _unblock(dv, v), d_inputs, None, d_params
+  return (_length_second(dq).astype(q.dtype), _unblock(dk, k_like), _unblock(dv, v_like),
+          d_inputs, None, d_params)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -43,7 +43,7 @@ def forget_bias(q_log_forget_BxTxN, k_log_forget_BxSxN):
 
 class ForgettingAttention(softmax.SoftmaxAttention):
   position_hooks = frozenset()
-  backends = ("xla", "blockwise")
+  backends = ("auto", "xla", "blockwise")
 
   @classmethod
   def kv_heads(cls, model_config):

@@ -12,8 +12,18 @@ One score path (model.attention_backend):
   blockwise  research.attention.blockwise: exact, online softmax, O(length) memory; the same bias
              function evaluated per tile, forward and backward (gradients to its parameters too)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU only
-Decoding takes the xla path: the new queries against the cache, the bias of the new positions
-against the cached ones, for any number of new tokens in one pass (prefill). The bias is
+  auto       the faster exact path for each call's length (`auto_backend`): cudnn on a GPU with
+             bfloat16 / float16 compute where the mixer allows it; otherwise xla below
+             AUTO_BLOCKWISE_FROM (1024) tokens and blockwise from there on, the crossover of the
+             two measured fwd+bwd on a 2-core CPU. A prefill into an empty cache takes the same
+             rule, so a long prompt runs blockwise.
+Decoding attends the new queries to the cache (`cached_attention`: the same float32 logits,
+bias, mask and softmax as the xla path), with the bias of the new positions against the cached
+ones, for any number of new tokens in one pass (prefill). The cache keeps keys and values with
+heads before length and batch and heads in one axis, [B K, S, H], so that both matmuls of a
+decode step read it where it is written (in the [B, S, K, H] layout of the sequence path, XLA
+copied the whole cache transposed at every step: about two thirds of a step's time at 4096
+tokens). The bias is
 `score_bias` of per-token bias inputs (here the positions); a subclass may add data-dependent
 ones that the cache keeps per key (research/attention/fox.py: cumulative log forget gates).
 
@@ -27,6 +37,8 @@ kept in slot p (p < S) or S + (p - S) mod W, with its position, so its bytes do 
 context.
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,7 +49,80 @@ from research.attention import masks
 from research.attention.blockwise import blockwise_attention
 from research.positions import BIAS, QK
 
-BACKENDS = ("xla", "blockwise", "cudnn")
+BACKENDS = ("auto", "xla", "blockwise", "cudnn")
+# `auto`: blockwise from this length on. Measured fwd+bwd on a 2-core CPU (mixers suite: batch 1,
+# 8 heads, head_dim 64, block 128, fp32), xla / blockwise in ms: 256: 13.4 / 12.6, 512: 34.0 /
+# 29.6, 768: 82.3 / 82.5, 1024: 190 / 123, 2048: 764 / 460. Below 1024 the two are within the
+# machine's noise, and xla is one fused op without the loop overheads; from 1024 blockwise is
+# ahead (1.5x) and the gap grows with the length, as does xla's O(length^2) memory.
+AUTO_BLOCKWISE_FROM = 1024
+_LARGE_NEGATIVE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
+
+
+# Cache entries stored heads before length, batch and key/value heads in one axis: [B K, S, H].
+# Any other per-token array a subclass keeps (FoX's log forget gates) stays [B, S, ...].
+HEADS_FIRST = frozenset({"key", "value"})
+
+
+def to_cache_layout(name, x_BxTx___):
+  """A per-token array of new tokens, [B, T, ...], in its cache layout."""
+  if name not in HEADS_FIRST:
+    return x_BxTx___
+  b, t, k, h = x_BxTx___.shape
+  return x_BxTx___.swapaxes(1, 2).reshape(b * k, t, h)
+
+
+def auto_backend(length, backends, compute_dtype, platform=None):
+  """The backend that `auto` runs for a sequence of `length` tokens: cudnn where it may run
+  (a GPU, half-precision compute, among the mixer's `backends`), else xla for short sequences
+  and blockwise from AUTO_BLOCKWISE_FROM tokens on, where skipping the masked half of the
+  tiles and never writing the [length, length] scores outweighs the loop's overheads."""
+  platform = platform or jax.default_backend()
+  if ("cudnn" in backends and platform == "gpu"
+      and jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)):
+    return "cudnn"
+  return "blockwise" if length >= AUTO_BLOCKWISE_FROM else "xla"
+
+
+def cached_attention(q_BxTxNxH, parts, scale):
+  """softmax(scale q k^T + bias, mask) v of T queries against groups of keys in the cache's
+  layout, in one softmax over all of them: parts are (k [B K, S_i, H], v [B K, S_i, H],
+  bias [B', N | 1, T, S_i] or None, mask [B' | 1, 1, T, S_i]), e.g. the cache and the new
+  tokens. Logits and softmax in float32, as jax.nn.dot_product_attention's xla implementation;
+  the query heads of a group share their key/value head without a repeat.
+
+  Both matmuls read the cache as it is stored, so that XLA's CPU dot copies none of it: one
+  batch axis (two would be merged by a reshape that XLA fuses into the cache write, copying
+  the cache for each reader), k the left operand with the logits keys first, [B K, S, G, T],
+  and v the right operand contracted over S (asked for [.., T, S] logits, XLA swaps the
+  operands and copies all of k transposed to [.., H, S] at every decode step, and v as well)."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv_heads = parts[0][0].shape[0] // b
+  group = n // kv_heads
+  q_XxGxTxH = (q_BxTxNxH.reshape(b, t, kv_heads, group, h).transpose(0, 2, 3, 1, 4)
+               .reshape(b * kv_heads, group, t, h))  # X = B K
+
+  def keys_first(x):  # [B' | 1, N | 1, T, S] -> [B K, S, G, T]
+    x = (x.reshape(x.shape[0], kv_heads, group, *x.shape[2:]) if x.shape[1] == n
+         else x[:, :, None])
+    x = jnp.broadcast_to(x, (b, kv_heads, group) + x.shape[3:])
+    return jnp.moveaxis(x.reshape(b * kv_heads, group, *x.shape[3:]), -1, 1)
+
+  logits = []
+  for k_XxSxH, _, bias, mask in parts:
+    logits_XxSxGxT = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH,
+                                preferred_element_type=jnp.float32) * scale
+    if bias is not None:
+      logits_XxSxGxT = logits_XxSxGxT + keys_first(bias.astype(q_BxTxNxH.dtype))
+    logits.append(jnp.where(keys_first(mask), logits_XxSxGxT, _LARGE_NEGATIVE))
+  probs_XxSxGxT = jax.nn.softmax(jnp.concatenate(logits, axis=1), axis=1)
+  splits = list(itertools.accumulate(k.shape[1] for k, _, _, _ in parts[:-1]))
+  out_XxGxTxH = sum(
+      jnp.einsum("XSGT,XSH->XGTH", p.astype(v_XxSxH.dtype), v_XxSxH,
+                 preferred_element_type=jnp.float32)
+      for p, (_, v_XxSxH, _, _) in zip(jnp.split(probs_XxSxGxT, splits, axis=1), parts))
+  out_BxTxKxGxH = out_XxGxTxH.reshape(b, kv_heads, group, t, h).transpose(0, 3, 1, 2, 4)
+  return out_BxTxKxGxH.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
 
 
 class SoftmaxAttention(base.Mixer):
@@ -122,11 +207,28 @@ class SoftmaxAttention(base.Mixer):
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=mask is None,
                                         scale=self._scale(), implementation=implementation)
 
+  def _cached_dot_product(self, q, q_inputs, parts):
+    """Attention of the new tokens' queries to parts (per-token arrays in the cache's layout,
+    their bias inputs, mask [1, 1, T, S_i]) in one softmax (cached_attention)."""
+    return cached_attention(
+        q, [(arrays["key"], arrays["value"], self.score_bias(self.position, q_inputs, k_inputs),
+             mask) for arrays, k_inputs, mask in parts], self._scale())
+
+  def _new_tokens_part(self, tokens, positions_1xT):
+    """The new tokens as keys of each other: causal (within the window), in the cache layout."""
+    index_T = positions_1xT[0]
+    mask = masks.visible(index_T, index_T, self.window, self.sinks)[None, None]
+    return ({name: to_cache_layout(name, x) for name, x in tokens.items()},
+            self._bias_inputs(positions_1xT, tokens), mask)
+
   def _attend(self, q, tokens, positions_BxL, segments_BxL=None):
     """Attention of a whole sequence to itself through the configured backend."""
     k, v = tokens["key"], tokens["value"]
     inputs = self._bias_inputs(positions_BxL, tokens)
-    if self.backend == "blockwise":
+    backend = self.backend
+    if backend == "auto":
+      backend = auto_backend(q.shape[1], self.backends, self.dtype)
+    if backend == "blockwise":
       bias_fn, bias_params = self._bias_function()
       return blockwise_attention(q, k, v, inputs, bias_fn, bias_params,
                                  block_size=self.block_size, scale=self._scale(),
@@ -139,7 +241,7 @@ class SoftmaxAttention(base.Mixer):
                         else masks.positions_in_documents(segments_BxL))
       mask = masks.allowed(index, index, self.window, self.sinks, segments_BxL, segments_BxL,
                            document_index)
-    return self._dot_product(q, k, v, inputs, inputs, mask, self.backend)
+    return self._dot_product(q, k, v, inputs, inputs, mask, backend)
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     q, tokens = self._project(x_BxLxD, positions_BxL, segments_BxL)
@@ -185,7 +287,7 @@ class SoftmaxAttention(base.Mixer):
 
   def init_cache(self, batch_size, max_length):
     slots = self.cache_length(max_length)
-    shape = (batch_size, slots, self.num_kv_heads, self.head_dim)
+    shape = (batch_size * self.num_kv_heads, slots, self.head_dim)  # HEADS_FIRST
     cache = {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
     if self.window:  # the token index held by each slot; -1: empty
       cache["index"] = jnp.full((slots,), -1, jnp.int32)
@@ -226,8 +328,8 @@ class SoftmaxAttention(base.Mixer):
       raise ValueError(f"{new} new tokens do not fit in a decode cache of {slots} tokens: "
                        "init_cache with max_length >= the prompt and the tokens to generate")
     index = new_index_T[0]
-    return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(cache[name], x, index, 1)
-                        for name, x in tokens.items()}}
+    return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(
+        cache[name], to_cache_layout(name, x), index, 1) for name, x in tokens.items()}}
 
   def _write_rolling(self, tokens, cache, new_index_T):
     """Keep what later tokens can still see: token p in its slot (_slot), if it is a sink or
@@ -236,34 +338,36 @@ class SoftmaxAttention(base.Mixer):
     keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
     dropped = self.sinks + self.window  # out of range
     slot = jnp.where(keep, self._slot(new_index_T), dropped)
+
     write = lambda old, new: old.at[:, slot].set(new, mode="drop")
-    return {**{name: write(cache[name], x) for name, x in tokens.items()},
+    return {**{name: write(cache[name], to_cache_layout(name, x)) for name, x in tokens.items()},
             "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
 
   def _decode_full(self, q, tokens, cache, positions_1xT):
+    """Write the new tokens, then attend to the cache up to them. (Reading the cache before
+    the write, XLA copies it to keep the old values for the readers.)"""
     index = positions_1xT[0, 0]
     cache = self._write_full(tokens, cache, positions_1xT[0])
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
-    capacity = cache["key"].shape[1]
-    k_positions_1xS = jnp.arange(capacity)[None]
-    mask = masks.visible(positions_1xT[0], k_positions_1xS[0])[None, None]
-    y = self._dot_product(q, cache["key"], cache["value"], self._bias_inputs(positions_1xT, tokens),
-                          self._bias_inputs(k_positions_1xS, cache), mask, "xla")
+    slots_S = jnp.arange(cache["key"].shape[1])
+    mask = masks.visible(positions_1xT[0], slots_S)[None, None]
+    y = self._cached_dot_product(q, self._bias_inputs(positions_1xT, tokens),
+                                 [(cache, self._bias_inputs(slots_S[None], cache), mask)])
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
-    y = jnp.where(index + tokens["key"].shape[1] <= capacity, y, jnp.nan)
+    y = jnp.where(index + tokens["key"].shape[1] <= slots_S.shape[0], y, jnp.nan)
     return y, cache
 
   def _decode_rolling(self, q, tokens, cache, positions_1xT):
-    """Window + sinks decoding: attend to the cached slots and the new tokens, then write."""
-    new_index_T = positions_1xT[0]
-    keys = {name: jnp.concatenate([cache[name], x], axis=1) for name, x in tokens.items()}
-    key_index_S = jnp.concatenate([cache["index"], new_index_T])
+    """Window + sinks decoding: attend to the cached slots and the new tokens, then write (the
+    new tokens may overwrite slots that the first of them still see)."""
+    new_index_T, key_index_S = positions_1xT[0], cache["index"]
     mask = masks.visible(new_index_T, key_index_S, self.window, self.sinks) & (key_index_S >= 0)
     # Empty slots (-1) are masked; their bias is taken at position 0 so that it stays finite.
-    y = self._dot_product(q, keys["key"], keys["value"], self._bias_inputs(positions_1xT, tokens),
-                          self._bias_inputs(jnp.maximum(key_index_S, 0)[None], keys),
-                          mask[None, None], "xla")
+    cached = (cache, self._bias_inputs(jnp.maximum(key_index_S, 0)[None], cache),
+              mask[None, None])
+    y = self._cached_dot_product(q, self._bias_inputs(positions_1xT, tokens),
+                                 [cached, self._new_tokens_part(tokens, positions_1xT)])
     return y, self._write_rolling(tokens, cache, new_index_T)
 
   @classmethod
