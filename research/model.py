@@ -137,9 +137,13 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     x = x_BxLxD + self.mixer(self.mixer_norm(x_BxLxD), positions_BxL, segments_BxL)
-    if self.mlp is not None:
-      x = x + self.mlp(self.mlp_norm(x), segments_BxL)
-    return sharding.constrain(x, ("batch", "length", "embed"))
+    return sharding.constrain(self.feed_forward(x, segments_BxL), ("batch", "length", "embed"))
+
+  def feed_forward(self, x_BxLxD, segments_BxL=None):
+    """The feed-forward sublayer with its residual (the identity when there is none)."""
+    if self.mlp is None:
+      return x_BxLxD
+    return x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD), segments_BxL)
 
   def init_cache(self, batch_size, max_length):
     return {"mixer": self.mixer.init_cache(batch_size, max_length),
@@ -257,7 +261,7 @@ class LanguageModel(nnx.Module):
       if layer in edit_attention:
         y = block.mixer.with_edited_weights(block.mixer_norm(x), positions_BxL, segments_BxL,
                                             edit_attention[layer])
-        x = block._feed_forward(x + y)
+        x = block.feed_forward(x + y, segments_BxL)
       else:
         x = block(x, positions_BxL, segments_BxL)
     return self._logits(x)
