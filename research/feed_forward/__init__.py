@@ -1,0 +1,1 @@
+"""Feed-forward blocks (the lead merges this package marker with the feed-forward registry)."""
