@@ -44,8 +44,8 @@ def tiny_model_config(**overrides):
   settings = {"softmax": dict(block_size=8), "linear": dict(chunk_size=8),
               "mamba": dict(chunk_size=8, state_size=4), "retention": dict(chunk_size=8),
               "mamba2": dict(chunk_size=8, state_size=8, head_dim=16),
-              "gated_deltanet": dict(chunk_size=8), "learned": dict(max_length=64),
-              "moe": dict(num_experts=4, top_k=2)}
+              "gated_deltanet": dict(chunk_size=8), "rwkv6": dict(chunk_size=8, sub_chunk_size=4),
+              "learned": dict(max_length=64), "moe": dict(num_experts=4, top_k=2)}
   settings.update({key: dict(original_length=16) for key in ("rope", "xpos", "prope")})
   for key, values in list(settings.items()) + list(overrides.items()):
     if isinstance(values, dict):

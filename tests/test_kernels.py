@@ -18,6 +18,7 @@ from research.attention.gated_deltanet import (chunked_gated_delta_rule, invert_
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
 from research.attention.mamba2 import chunked_ssd
 from research.attention.retention import chunked_retention
+from research.attention.rwkv6 import chunked_rwkv6
 from research.attention.ssm import SCANS, chunked_selective_scan
 from research.positions import alibi_slopes
 from tests.conftest import tiny_model_config
@@ -470,20 +471,33 @@ def test_mamba2_mixer_equals_the_token_by_token_reference_with_gradients():
   _assert_mixer_equals_naive(_mixer("mamba2", position="none"), _naive_mamba2_mixer)
 
 
-def _gated_delta_rule_per_document(q, k, v, log_decay, beta, state):
-  """The recurrence on each document of SEGMENTS_37 alone: a row's first document from that
-  row's state, the others from 0; the final state is the last document's."""
+def _recurrence_per_document(recurrence, *inputs_and_state):
+  """recurrence(*inputs, state) -> (out, state) on each document of SEGMENTS_37 alone: a row's
+  first document from that row's state, the others from 0; the final state is the last
+  document's."""
+  *inputs, state = inputs_and_state
   outputs, states = [], []
   for row, segment_row in enumerate(np.asarray(SEGMENTS_37)):
     parts, row_state = [], state[row:row + 1]
     for i, segment in enumerate(np.unique(segment_row)):
-      inputs = (a[row:row + 1, segment_row == segment] for a in (q, k, v, log_decay, beta))
-      out, row_state = reference.gated_delta_rule(*inputs, row_state if i == 0
-                                                  else jnp.zeros_like(row_state))
+      out, row_state = recurrence(*(a[row:row + 1, segment_row == segment] for a in inputs),
+                                  row_state if i == 0 else jnp.zeros_like(row_state))
       parts.append(out)
     outputs.append(jnp.concatenate(parts, axis=1))
     states.append(row_state)
   return jnp.concatenate(outputs), jnp.concatenate(states)
+
+
+def _assert_same_outputs_and_input_gradients(fast, naive, inputs, cotangents):
+  """fast(*inputs) == naive(*inputs), and so are their pullbacks of `cotangents`."""
+
+  def vjp(f):
+    out, pullback = jax.vjp(f, *inputs)
+    return out, pullback(cotangents)
+
+  for got, expected in zip(jax.tree.leaves(jax.jit(lambda: vjp(fast))()),
+                           jax.tree.leaves(jax.jit(lambda: vjp(naive))()), strict=True):
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -499,21 +513,67 @@ def test_chunked_gated_delta_rule_equals_the_recurrence_with_gradients(packed):
             jax.nn.sigmoid(_normal(4, (b, length, n), 2.0)),
             _normal(5, (b, n, h, e)))
   segments = SEGMENTS_37 if packed else None
-  naive = _gated_delta_rule_per_document if packed else reference.gated_delta_rule
-  d_out, d_state = _normal(6, (b, length, n, e)), _normal(7, (b, n, h, e))
-
-  def vjp(f):
-    out, pullback = jax.vjp(f, *inputs)
-    return out, pullback((d_out, d_state))
-
-  fast = jax.jit(lambda: vjp(lambda *a: chunked_gated_delta_rule(*a, chunk_size=8,
-                                                                 segments=segments)))()
-  want = jax.jit(lambda: vjp(naive))()
-  for got, expected in zip(jax.tree.leaves(fast), jax.tree.leaves(want)):
-    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+  naive = (functools.partial(_recurrence_per_document, reference.gated_delta_rule) if packed
+           else reference.gated_delta_rule)
+  _assert_same_outputs_and_input_gradients(
+      lambda *a: chunked_gated_delta_rule(*a, chunk_size=8, segments=segments), naive, inputs,
+      (_normal(6, (b, length, n, e)), _normal(7, (b, n, h, e))))
 
 
 def test_invert_unit_lower_by_doubling():
   for size in (1, 5, 8):  # padded to a power of two, or not
     m = jnp.tril(_normal(size, (3, size, size)), -1) + jnp.eye(size)
     np.testing.assert_allclose(invert_unit_lower(m), np.linalg.inv(np.asarray(m)), atol=1e-4)
+
+
+def test_chunked_rwkv6_equals_the_recurrence_with_gradients():
+  """The chunked form (chunks of 8 in sub-chunks of 4; length 37, so the last chunk is padded)
+  against the token-by-token recurrence: outputs, final state and the gradients of r, k, v, the
+  log decays, u and the initial state, on packed documents (SEGMENTS_37: resets inside chunks)
+  whose first continues the state. Some channels decay by up to ~e^-100 per token, so e^-G
+  relative to a chunk's start would overflow float32."""
+  b, length, n, h, e = 2, 37, 2, 4, 6
+  log_decay = -jnp.exp(_normal(3, (b, length, n, h), 1.5))
+  assert float(jnp.cumsum(log_decay[:, :8], axis=1).min()) < -88
+  inputs = (_normal(0, (b, length, n, h)), _normal(1, (b, length, n, h)),
+            _normal(2, (b, length, n, e)), log_decay, _normal(4, (n, h)),
+            _normal(5, (b, n, h, e)))
+
+  def naive(r, k, v, log_decay, bonus, state):
+    recurrence = lambda *a: reference.rwkv6_recurrence(*a[:4], bonus, a[4])  # noqa: E731
+    return _recurrence_per_document(recurrence, r, k, v, log_decay, state)
+
+  _assert_same_outputs_and_input_gradients(
+      lambda *a: chunked_rwkv6(*a, chunk_size=8, sub_chunk_size=4, segments=SEGMENTS_37), naive,
+      inputs, (_normal(6, (b, length, n, e)), _normal(7, (b, n, h, e))))
+
+
+def _naive_rwkv6_mixer(mixer, x_BxLxD):
+  """RWKV_Tmix_x060's forward written out, the recurrence one token at a time."""
+  b, length, d = x_BxLxD.shape
+  n, h = mixer.num_heads, mixer.head_dim
+  dx = jnp.pad(x_BxLxD, [(0, 0), (1, 0), (0, 0)])[:, :-1] - x_BxLxD
+  down = mixer.mix_down[...].reshape(d, -1)
+  lora = jnp.tanh((x_BxLxD + dx * mixer.mix["x"][...]) @ down).reshape(b, length, 5, -1)
+  xw, xk, xv, xr, xg = (x_BxLxD + dx * (mixer.mix[name][...] + lora[:, :, i] @ mixer.mix_up[i])
+                        for i, name in enumerate("wkvrg"))
+  w = mixer.decay[...].reshape(d) + jnp.tanh(xw @ mixer.decay_down[...]) @ mixer.decay_up[
+      ...].reshape(-1, d)
+  o, _ = reference.rwkv6_recurrence(mixer.receptance(xr), mixer.key(xk), mixer.value(xv),
+                                    -jnp.exp(w).reshape(b, length, n, h), mixer.bonus[...],
+                                    jnp.zeros((b, n, h, h)))
+  o = (o - o.mean(-1, keepdims=True)) / jnp.sqrt(o.var(-1, keepdims=True) + 64e-5)
+  o = o * mixer.norm_scale[...] + mixer.norm_bias[...]
+  return mixer.out(o * jax.nn.silu(mixer.gate(xg)))
+
+
+def test_rwkv6_mixer_equals_the_token_by_token_reference():
+  """The forward only: the chunked form's gradients are the test above's."""
+  mixer = _mixer("rwkv6", position="none", rwkv6=dict(mix_lora_rank=4, decay_lora_rank=8))
+  # The low-rank maps start at 0 (the reference's initialisation): give them values.
+  mixer.mix_down[...] = _normal(10, mixer.mix_down.shape, 0.3)
+  mixer.decay_down[...] = _normal(11, mixer.decay_down.shape, 0.3)
+  x = _normal(0, (2, 21, 32))
+  got = jax.jit(lambda x: mixer(x, None))(x)
+  np.testing.assert_allclose(got, jax.jit(functools.partial(_naive_rwkv6_mixer, mixer))(x),
+                             atol=1e-4, rtol=1e-4)

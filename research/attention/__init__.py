@@ -11,6 +11,7 @@ from research.attention.gated_deltanet import GatedDeltaNet
 from research.attention.linear import LinearAttention
 from research.attention.mamba2 import Mamba2
 from research.attention.retention import Retention
+from research.attention.rwkv6 import RWKV6
 from research.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
 from research.attention.ssm import Mamba
 from research.registry import Registry
@@ -25,3 +26,4 @@ REGISTRY.register("mamba2", Mamba2)
 REGISTRY.register("retention", Retention)
 REGISTRY.register("fox", ForgettingAttention, settings="softmax")
 REGISTRY.register("gated_deltanet", GatedDeltaNet)
+REGISTRY.register("rwkv6", RWKV6)

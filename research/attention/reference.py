@@ -2,8 +2,8 @@
 
 They materialise what the fast paths avoid: the [T, S] attention matrix, the
 [batch, length, heads, d, d] cumulative linear-attention state, the [batch, length, d_inner, N]
-SSM states; the recurrences (retention, Mamba-2) step one token at a time. Written for clarity,
-in float32.
+SSM states; the recurrences (retention, Mamba-2, the gated delta rule, RWKV-6) step one token
+at a time. Written for clarity, in float32.
 """
 
 import jax
@@ -118,4 +118,20 @@ def gated_delta_rule(q, k, v, log_decay, beta, state):
 
   state, out = jax.lax.scan(step, state, tuple(t.swapaxes(0, 1)
                                                for t in (q, k, v, log_decay, beta)))
+  return out.swapaxes(0, 1), state
+
+
+def rwkv6_recurrence(r, k, v, log_decay, bonus, state):
+  """RWKV-6 per head, one token at a time: o_t = r_t^T (S_{t-1} + diag(u) k_t v_t^T),
+  S_t = diag(exp(log_decay_t)) S_{t-1} + k_t v_t^T; r, k, log_decay [B, L, N, H],
+  v [B, L, N, E], bonus u [N, H], state [B, N, H, E]."""
+
+  def step(state, inputs):
+    r_t, k_t, v_t, log_decay_t = inputs
+    kv = jnp.einsum("bnh,bne->bnhe", k_t, v_t)
+    out = jnp.einsum("bnh,bnhe->bne", r_t, state + bonus[None, :, :, None] * kv)
+    return jnp.exp(log_decay_t)[..., None] * state + kv, out
+
+  state, out = jax.lax.scan(step, state, tuple(t.swapaxes(0, 1)
+                                               for t in (r, k, v, log_decay)))
   return out.swapaxes(0, 1), state

@@ -9,8 +9,10 @@ hyperparameters appear in configs/base.py as model.<name>; a model picks one for
 from research.feed_forward.base import OBJECTIVE, AuxiliaryLoss, FeedForward, auxiliary_losses
 from research.feed_forward.mlp import MLP
 from research.feed_forward.moe import MixtureOfExperts
+from research.feed_forward.rwkv_channel_mix import RWKVChannelMix
 from research.registry import Registry
 
 REGISTRY = Registry("feed-forward", "model.feed_forward")
 REGISTRY.register("mlp", MLP)
 REGISTRY.register("moe", MixtureOfExperts)
+REGISTRY.register("rwkv_channel_mix", RWKVChannelMix)

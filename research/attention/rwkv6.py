@@ -1,0 +1,284 @@
+"""RWKV-6 ("Finch") time mixing (Peng et al., arXiv:2404.05892), as the authors' RWKV-LM computes
+it (RWKV-v5/src/model.py, RWKV_Tmix_x060, trained with --my_testing x060).
+
+Token shift with data-dependent linear interpolation (ddlerp); x' is the previous token (0 at a
+document's start), mu_* learned vectors, A [D, 5 R], B [5, R, D] one low-rank map (rank R = 32):
+  dx = x' - x,   (m_w, m_k, m_v, m_r, m_g) = tanh((x + dx * mu_x) A) B
+  x_* = x + dx * (mu_* + m_*)                                  for * in w, k, v, r, g
+  r, k, v = x_r W_r, x_k W_k, x_v W_v,   g = silu(x_g W_g)
+  w_t = exp(-exp(d + tanh(x_w A_d) B_d))                       per channel, in (0, 1); rank 64
+Per head, a matrix state S [H, E] (keys x values) that decays per key channel, and the bonus u
+("time_first") for the current token:
+  o_t = r_t^T (S_{t-1} + diag(u) k_t v_t^T),   S_t = diag(w_t) S_{t-1} + k_t v_t^T
+  out = (GroupNorm(o) * g) W_o          one group per head, eps 64e-5, affine (the reference's
+                                        1e-5 * head_size_divisor^2 with its default divisor 8)
+The head dim is d_model / model.num_heads (the reference's head_size 64 at d_model 64 * heads).
+
+Initialisation as the reference's, which depends on the layer's depth l / n_layer: a mixer here
+does not know its depth, so the depth ratio is taken as 1/2 (a middle layer). With i / D the
+channel's fraction: mu_x, mu_w, mu_k = 1 - (i/D)^(1/2), mu_v = 1 - ((i/D)^(1/2) + 0.15),
+mu_r, mu_g = 1 - (i/D)^(1/4); d_n = -6 + 5 (n / (D-1))^(0.7 + 1.3/2); u_n = (1 - n / (D-1)) / 2
+plus a zigzag ((n + 1) mod 3 - 1) / 10; A, A_d zero, B, B_d ~ U[-0.01, 0.01]; W_r, W_v
+orthogonal, W_k, W_g orthogonal with gain 0.1; the GroupNorm gain (1/2)^0.7, bias 0. Simplified:
+W_o takes the lab's LeCun normal, not the reference's zeros (which, with its embedding and head
+initialisation, make a fresh layer the identity, and would leave this layer's output blind to
+its input in the lab's checks), and the reference's per-group learning rates (2x on d) are not
+reproduced. The mu, d, u, LoRA and norm parameters take no weight decay (the reference's
+optimizer groups); W_r, W_k, W_v, W_g, W_o do.
+
+Training, evaluation and decoding run one chunked form. Within a chunk of C tokens, with
+G_t = sum_{m <= t} log w_m (inclusive) and P_t = G_{t-1} (exclusive) cumulative log decays since
+the chunk's start, and S_0 the state there:
+  o_t = (r_t e^{P_t}) S_0 + sum_{s < t} (sum_c r_tc k_sc e^{P_tc - G_sc}) v_s + (r_t u k_t) v_t
+  S_C = e^{G_C} S_0 + sum_s (k_s e^{G_C - G_s})^T v_s
+Only the last line is sequential: a scan over chunks carries S. Numerical safety: every
+exponent is <= 0, so nothing overflows however strong the decay (w_t = exp(-exp(.)) reaches
+e^-1000 and below); products too small for float32 underflow to 0, as their exact values would.
+The pairs (t, s) are never factored as e^{P_t} e^{-G_s} relative to the chunk's start (e^{-G_s}
+overflows once the decay within a chunk passes e^-88). Instead, as flash-linear-attention's
+chunk_rwkv6, the chunk is cut into sub-chunks of c tokens: for s in an earlier sub-chunk than t,
+e^{P_t - G_s} = e^{P_t - R} e^{R - G_s} with R = P at the first token of t's sub-chunk (both
+factors <= 1), so those scores are one matmul per sub-chunk against the chunk's keys; within a
+sub-chunk each pair's factor is computed on its own ([c, c, H] per sub-chunk), with u on the
+diagonal. Memory is O(L c H + L C / c H) per head, never [L, L]. Precision: a factor's exponent
+is a difference of two cumulative sums within one chunk, exact to float32 rounding of their size
+(about 6e-8 |G|: 3e-5 at a cumulative log decay of -500 within a chunk).
+
+Packed documents: the state and the token shift restart at each segment start (the scores keep
+to the segment, the carried state reaches only its own segment's tokens); a state passed in
+belongs to the first token's segment. The decode state is the last token (for the shift) and S.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from research import nn
+from research.attention import base
+from research.attention import masks
+
+NORM_EPSILON = 64e-5
+DEPTH_RATIO = 0.5  # the reference's layer_id / n_layer, which a mixer here does not know
+STREAMS = ("w", "k", "v", "r", "g")  # the ddlerp outputs, in the reference's order
+
+
+def token_shift(x_BxTxD, last_BxD, segments_BxT=None):
+  """(x' [B, T, D]: the token before each one, `last_BxD` before the first and 0 at a segment
+  start; the new last token [B, D])."""
+  previous = jnp.concatenate([last_BxD[:, None].astype(x_BxTxD.dtype), x_BxTxD[:, :-1]], axis=1)
+  if segments_BxT is not None:
+    previous = jnp.where(masks.document_starts(segments_BxT)[..., None], 0, previous)
+  return previous, x_BxTxD[:, -1]
+
+
+def _sub_chunk_length(chunk, sub_chunk_size):
+  """The largest divisor of `chunk` that is at most sub_chunk_size."""
+  return max(c for c in range(1, min(chunk, sub_chunk_size) + 1) if chunk % c == 0)
+
+
+def chunked_rwkv6(r, k, v, log_decay, bonus, state, *, chunk_size=32, sub_chunk_size=8,
+                  segments=None):
+  """The RWKV-6 recurrence in the chunked form (module docstring), from `state`.
+
+  r, k, log_decay (log w <= 0) [B, L, N, H], v [B, L, N, E], bonus u [N, H], state [B, N, H, E];
+  segments [B, L] (packed documents, non-decreasing) restart the state at each segment start.
+  Chunks of min(chunk_size, L) tokens, cut into sub-chunks of the largest divisor of that which
+  is at most sub_chunk_size. Returns (o [B, L, N, E], final state), float32.
+  """
+  b, length, n, h = r.shape
+  e = v.shape[-1]
+  chunk = min(chunk_size, length)
+  sub = _sub_chunk_length(chunk, sub_chunk_size)
+  num_sub = chunk // sub
+  num_chunks = -(-length // chunk)
+  padded = num_chunks * chunk
+
+  def to_chunks(x):  # [B, L, N, F] -> [B, Z, N, C, F] for Z chunks of C tokens
+    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, padded - length), (0, 0), (0, 0)])
+    return jnp.moveaxis(x.reshape(b, num_chunks, chunk, n, x.shape[-1]), 2, 3)
+
+  def to_sub_chunks(x):  # [..., C, F] -> [..., P, c, F] for P sub-chunks of c tokens
+    return x.reshape(*x.shape[:-2], num_sub, sub, x.shape[-1])
+
+  # Zero padding (log w = 0, k = 0) leaves the state as it is.
+  r, k, v, log_decay = map(to_chunks, (r, k, v, log_decay))
+  if segments is None:
+    segments = jnp.zeros((b, length), jnp.int32)
+  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
+  segments_BxZxC = segments.reshape(b, num_chunks, chunk)
+  # The state entering chunk z was summed over the segment of the token before it.
+  carried_BxZ = jnp.concatenate([segments[:, :1], segments_BxZxC[:, :-1, -1]], axis=1)
+  same, sees_state, keeps_state, adds = masks.chunk_segments(
+      segments_BxZxC.reshape(b * num_chunks, chunk), carried_BxZ.reshape(b * num_chunks))
+  same = same.reshape(b, num_chunks, 1, chunk, chunk)
+  sees_state, adds = (m.reshape(b, num_chunks, 1, chunk, 1) for m in (sees_state, adds))
+  keeps_state = keeps_state.reshape(b, num_chunks, 1, 1)
+
+  inclusive = jnp.cumsum(log_decay, axis=-2)  # G [B, Z, N, C, H]
+  exclusive = jnp.pad(inclusive[..., :-1, :], [(0, 0)] * 3 + [(1, 0), (0, 0)])  # P_t = G_{t-1}
+
+  # s in an earlier sub-chunk than t: through R, P at the first token of t's sub-chunk.
+  reference_BxZxNxPxH = exclusive[..., ::sub, :]
+  r_from_reference = to_sub_chunks(r) * jnp.exp(
+      to_sub_chunks(exclusive) - reference_BxZxNxPxH[..., None, :])
+  earlier_PxC = jnp.arange(chunk)[None, :] < sub * jnp.arange(num_sub)[:, None]
+  k_to_reference = k[..., None, :, :] * jnp.exp(jnp.where(
+      earlier_PxC[..., None], reference_BxZxNxPxH[..., None, :] - inclusive[..., None, :, :],
+      -jnp.inf))  # [B, Z, N, P, C, H]
+  across = jnp.einsum("bznpih,bznpsh->bznpis", r_from_reference, k_to_reference)
+  # s and t in one sub-chunk: each pair's factor, u where s = t.
+  before = jnp.arange(sub)[None, :] < jnp.arange(sub)[:, None]
+  pair_exponents = (to_sub_chunks(exclusive)[..., :, None, :]
+                    - to_sub_chunks(inclusive)[..., None, :, :])
+  pair_factors = (jnp.exp(jnp.where(before[..., None], pair_exponents, -jnp.inf))
+                  + jnp.eye(sub)[..., None] * bonus[:, None, None, None, :])  # [B,Z,N,P,c,c,H]
+  within = jnp.einsum("bznpih,bznpish,bznpsh->bznpis", to_sub_chunks(r), pair_factors,
+                      to_sub_chunks(k))
+  within = jnp.einsum("bznpis,pq->bznpiqs", within, jnp.eye(num_sub)).reshape(
+      b, num_chunks, n, chunk, chunk)
+  scores = jnp.where(same, across.reshape(b, num_chunks, n, chunk, chunk) + within, 0.0)
+
+  from_start = jnp.exp(exclusive) * sees_state
+  to_end = jnp.exp(inclusive[..., -1:, :] - inclusive) * adds
+  chunk_decay_BxZxNxH = jnp.exp(inclusive[..., -1, :]) * keeps_state
+  chunk_kv = jnp.einsum("bznch,bznce->bznhe", k * to_end, v)
+
+  def step(state_BxNxHxE, decay_and_kv):
+    decay_BxNxH, kv_BxNxHxE = decay_and_kv
+    return decay_BxNxH[..., None] * state_BxNxHxE + kv_BxNxHxE, state_BxNxHxE
+
+  to_scan = lambda x: jnp.moveaxis(x, 1, 0)
+  state, starts = jax.lax.scan(step, state.astype(jnp.float32),
+                               (to_scan(chunk_decay_BxZxNxH), to_scan(chunk_kv)))
+  out = (jnp.einsum("bznch,bznhe->bznce", r * from_start, jnp.moveaxis(starts, 0, 1))
+         + jnp.einsum("bzncs,bznse->bznce", scores, v))
+  out = jnp.moveaxis(out, 3, 2).reshape(b, padded, n, e)[:, :length]
+  return out, state
+
+
+def _orthogonal(gain):
+  """PyTorch's orthogonal_ with `gain` on the kernel flattened to [D, everything else]."""
+  init = nnx.initializers.orthogonal(gain)
+  return lambda key, shape, dtype=jnp.float32: init(
+      key, (shape[0], math.prod(shape[1:])), dtype).reshape(shape)
+
+
+def _uniform(key, shape, bound=0.01):
+  return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+def mix_coefficients(d_model, power):
+  """1 - (i / D)^power for channel i: the reference's token-shift mixing vectors."""
+  return 1.0 - (jnp.arange(d_model, dtype=jnp.float32) / d_model) ** power
+
+
+class RWKV6(base.Mixer):
+  # Chunks of 32 in sub-chunks of 8: fwd+bwd at 4096 tokens (d_model 512, 8 heads) on a 2-core
+  # CPU took the same time as 16 / 4 and 32 / 4 and 25% less than flash-linear-attention's
+  # 64 / 16; the elementwise work per token and head grows as (c + C / c) H.
+  hyperparameters = {"chunk_size": 32,
+                     "sub_chunk_size": 8,  # pairs within a sub-chunk are computed one by one
+                     "mix_lora_rank": 32,
+                     "decay_lora_rank": 64}
+  recurrent = True
+
+  @classmethod
+  def validate(cls, settings, model_config):
+    del model_config
+    for field in cls.hyperparameters:
+      if settings[field] < 1:
+        raise ValueError(f"model.rwkv6.{field} must be >= 1, got {settings[field]}")
+
+  def __init__(self, settings, model_config, position, *, rngs):
+    del position  # order comes from the recurrence; the embedding hook is the model's
+    d, n = model_config.d_model, model_config.num_heads
+    h = d // n
+    self.num_heads, self.head_dim = n, h
+    self.chunk_size = int(settings.chunk_size)
+    self.sub_chunk_size = int(settings.sub_chunk_size)
+    self.dtype = dtype = nn.compute_dtype(model_config)
+    depth = DEPTH_RATIO
+    decaying = 1.0 - depth  # the reference's ratio_1_to_almost0
+    mu = {"x": decaying, "w": decaying, "k": decaying, "v": decaying, "r": decaying / 2,
+          "g": decaying / 2}
+    self.mix = nnx.Dict({
+        name: nn.param(mix_coefficients(d, power) - (0.3 * depth if name == "v" else 0.0),
+                       ("embed",), weight_decay=False)
+        for name, power in mu.items()})
+    rank, decay_rank = int(settings.mix_lora_rank), int(settings.decay_lora_rank)
+    self.mix_down = nn.param(jnp.zeros((d, len(STREAMS), rank)), ("embed", None, "ssm_proj"),
+                             weight_decay=False)
+    self.mix_up = nn.param(_uniform(rngs.params(), (len(STREAMS), rank, d)),
+                           (None, "ssm_proj", "embed"), weight_decay=False)
+    channel = jnp.arange(d, dtype=jnp.float32) / max(d - 1, 1)
+    self.decay = nn.param((-6.0 + 5.0 * channel ** (0.7 + 1.3 * depth)).reshape(n, h),
+                          ("heads", "head_dim"), weight_decay=False)
+    self.decay_down = nn.param(jnp.zeros((d, decay_rank)), ("embed", "ssm_proj"),
+                               weight_decay=False)
+    self.decay_up = nn.param(_uniform(rngs.params(), (decay_rank, n, h)),
+                             ("ssm_proj", "heads", "head_dim"), weight_decay=False)
+    zigzag = ((jnp.arange(d) + 1) % 3 - 1) * 0.1
+    self.bonus = nn.param((depth * (1.0 - channel) + zigzag).reshape(n, h),
+                          ("heads", "head_dim"), weight_decay=False)
+    self.receptance, self.key, self.value, self.gate = (
+        base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype, init=_orthogonal(gain))
+        for gain in (1.0, 0.1, 1.0, 0.1))
+    self.norm_scale = nn.param(jnp.full((n, h), depth ** 0.7), ("heads", "head_dim"),
+                               weight_decay=False)
+    self.norm_bias = nn.param(jnp.zeros((n, h)), ("heads", "head_dim"), weight_decay=False)
+    self.out = base.output_projection(n, h, d, rngs=rngs, dtype=dtype)
+
+  def _mix(self, x_BxTxD, cache, segments_BxT=None):
+    previous, last = token_shift(x_BxTxD, cache["shift"], segments_BxT)
+    x = x_BxTxD.astype(jnp.float32)
+    dx = previous.astype(jnp.float32) - x
+    # The five streams' low-rank maps with the stream axis first: between the batch and feature
+    # axes it made XLA:CPU transpose (2-3x slower fwd+bwd); five separate matmuls slowed decoding.
+    hidden_5xBxTxR = jnp.tanh(jnp.einsum("btd,dfr->fbtr", x + dx * self.mix["x"][...],
+                                         self.mix_down[...]))
+    offsets_5xBxTxD = jnp.einsum("fbtr,frd->fbtd", hidden_5xBxTxR, self.mix_up[...])
+    shifted = {name: x + dx * (self.mix[name][...] + offsets_5xBxTxD[i])
+               for i, name in enumerate(STREAMS)}
+    r_BxTxNxH = self.receptance(shifted["r"]).astype(jnp.float32)
+    k_BxTxNxH = self.key(shifted["k"]).astype(jnp.float32)
+    v_BxTxNxH = self.value(shifted["v"]).astype(jnp.float32)
+    g_BxTxNxH = jax.nn.silu(self.gate(shifted["g"]).astype(jnp.float32))
+    decay_hidden_BxTxR = jnp.tanh(jnp.einsum("btd,dr->btr", shifted["w"], self.decay_down[...]))
+    log_decay_BxTxNxH = -jnp.exp(self.decay[...] + jnp.einsum("btr,rnh->btnh", decay_hidden_BxTxR,
+                                                              self.decay_up[...]))
+    o_BxTxNxH, state = chunked_rwkv6(
+        r_BxTxNxH, k_BxTxNxH, v_BxTxNxH, log_decay_BxTxNxH, self.bonus[...], cache["state"],
+        chunk_size=self.chunk_size, sub_chunk_size=self.sub_chunk_size, segments=segments_BxT)
+    mean = o_BxTxNxH.mean(-1, keepdims=True)
+    variance = jnp.square(o_BxTxNxH - mean).mean(-1, keepdims=True)
+    normalised = ((o_BxTxNxH - mean) * jax.lax.rsqrt(variance + NORM_EPSILON)
+                  * self.norm_scale[...] + self.norm_bias[...])
+    return (self.out((normalised * g_BxTxNxH).astype(self.dtype)),
+            {"shift": last, "state": state})
+
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    del positions_BxL  # order comes from the recurrence
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
+
+  def init_cache(self, batch_size, max_length):
+    del max_length  # the state has a fixed size
+    n, h = self.num_heads, self.head_dim
+    return {"shift": jnp.zeros((batch_size, n * h), self.dtype),
+            "state": jnp.zeros((batch_size, n, h, h), jnp.float32)}
+
+  def decode(self, x_BxTxD, cache, index):
+    del index
+    return self._mix(x_BxTxD, cache)
+
+  def mixing_flops_per_token(self, context_length):
+    n, h = self.num_heads, self.head_dim
+    c = min(self.chunk_size, context_length)
+    sub = _sub_chunk_length(c, self.sub_chunk_size)
+    # Within a chunk: r.k scores over the chunk's (C + 1) / 2 earlier tokens on average and
+    # scores @ v; the per-pair decay factors of a sub-chunk (exp, r * factor * k); across
+    # chunks: r S_0 and the state update. The token shift's five interpolations and the norm.
+    within = 2 * (c + 1) / 2 * 2 * h + 4 * sub * h
+    across = 3 * 2 * h * h
+    return n * (within + across) + 5 * 3 * n * h + 10 * n * h
