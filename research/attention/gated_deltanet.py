@@ -96,15 +96,10 @@ def chunked_gated_delta_rule(q, k, v, log_decay, beta, state, *, chunk_size=64, 
   q, k, v, log_decay, beta = map(to_chunks, (q, k, v, log_decay, beta))
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
-  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
-  segments_BxZxC = segments.reshape(b, num_chunks, chunk)
-  # The state entering chunk z was summed over the segment of the token before it.
-  carried_BxZ = jnp.concatenate([segments[:, :1], segments_BxZxC[:, :-1, -1]], axis=1)
-  same, sees_state, keeps_state, adds = masks.chunk_segments(
-      segments_BxZxC.reshape(b * num_chunks, chunk), carried_BxZ.reshape(b * num_chunks))
-  same = same.reshape(b, num_chunks, 1, chunk, chunk)
-  sees_state, adds = (m.reshape(b, num_chunks, 1, chunk) for m in (sees_state, adds))
-  keeps_state = keeps_state.reshape(b, num_chunks, 1)
+  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
+  same = same[:, :, None]
+  sees_state, adds = (m[:, :, None] for m in (sees_state, adds))
+  keeps_state = keeps_state[:, :, None]
 
   cumulative = jnp.cumsum(log_decay, axis=-1)  # G [B, Z, N, C]
   # D_ij = e^{G_i - G_j} for j <= i in one segment, else 0 (exp(-inf); never exp of a positive).

@@ -115,6 +115,23 @@ def chunk_segments(segments_BxC, carried_segment_B):
           adds[:, :, None, None])
 
 
+def all_chunk_segments(segments_BxL, padded_length, chunk):
+  """chunk_segments of every chunk at once, for forms that process all chunks in parallel and
+  scan only the state: segments [B, L] (None: one document) padded to `padded_length` by
+  repeating the last one, so padding joins the last segment. Returns (same [B, Z, C, C],
+  sees_state [B, Z, C], keeps_state [B, Z], adds_to_state [B, Z, C]) for Z chunks of C tokens;
+  the state entering chunk z was summed over the segment of the token before it."""
+  b, length = segments_BxL.shape
+  num_chunks = padded_length // chunk
+  segments = jnp.pad(segments_BxL, [(0, 0), (0, padded_length - length)], mode="edge")
+  segments_BxZxC = segments.reshape(b, num_chunks, chunk)
+  carried_BxZ = jnp.concatenate([segments[:, :1], segments_BxZxC[:, :-1, -1]], axis=1)
+  same, sees_state, keeps_state, adds = chunk_segments(
+      segments_BxZxC.reshape(b * num_chunks, chunk), carried_BxZ.reshape(b * num_chunks))
+  return (same.reshape(b, num_chunks, chunk, chunk), sees_state.reshape(b, num_chunks, chunk),
+          keeps_state.reshape(b, num_chunks), adds.reshape(b, num_chunks, chunk))
+
+
 def key_blocks(query_block, block, window, sinks, packed=False):
   """(number of sink blocks visited, first key block of the window) for a query block: key
   blocks [0, sink blocks) and [first, query_block] may hold a visible key, no others. With

@@ -106,15 +106,10 @@ def chunked_rwkv6(r, k, v, log_decay, bonus, state, *, chunk_size=32, sub_chunk_
   r, k, v, log_decay = map(to_chunks, (r, k, v, log_decay))
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
-  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
-  segments_BxZxC = segments.reshape(b, num_chunks, chunk)
-  # The state entering chunk z was summed over the segment of the token before it.
-  carried_BxZ = jnp.concatenate([segments[:, :1], segments_BxZxC[:, :-1, -1]], axis=1)
-  same, sees_state, keeps_state, adds = masks.chunk_segments(
-      segments_BxZxC.reshape(b * num_chunks, chunk), carried_BxZ.reshape(b * num_chunks))
-  same = same.reshape(b, num_chunks, 1, chunk, chunk)
-  sees_state, adds = (m.reshape(b, num_chunks, 1, chunk, 1) for m in (sees_state, adds))
-  keeps_state = keeps_state.reshape(b, num_chunks, 1, 1)
+  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
+  same = same[:, :, None]
+  sees_state, adds = (m[:, :, None, :, None] for m in (sees_state, adds))
+  keeps_state = keeps_state[:, :, None, None]
 
   inclusive = jnp.cumsum(log_decay, axis=-2)  # G [B, Z, N, C, H]
   exclusive = jnp.pad(inclusive[..., :-1, :], [(0, 0)] * 3 + [(1, 0), (0, 0)])  # P_t = G_{t-1}
