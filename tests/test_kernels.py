@@ -151,9 +151,9 @@ def test_chunked_scan_equals_sequential_scan_with_gradients(scan):
   want = jax.jit(reference.sequential_selective_scan)(*inputs)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
-  got_grads = jax.jit(jax.grad(loss(chunked), argnums=(0, 1, 3, 4, 5)))(*inputs)
+  got_grads = jax.jit(jax.grad(loss(chunked), argnums=(0, 1, 2, 3, 4, 5)))(*inputs)
   want_grads = jax.jit(jax.grad(loss(reference.sequential_selective_scan),
-                                argnums=(0, 1, 3, 4, 5)))(*inputs)
+                                argnums=(0, 1, 2, 3, 4, 5)))(*inputs)
   for g, w in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, w, atol=1e-3, rtol=1e-3)
 
@@ -353,11 +353,25 @@ def test_chunked_scan_resets_at_document_starts(scan):
   x, delta, A, B, C, _ = _ssm_inputs(length=37)
   h0 = jnp.zeros((1, x.shape[-1], A.shape[-1]))
   resets = jnp.asarray(np.diff(np.asarray(SEGMENTS_37), axis=1, prepend=0) != 0)
-  got, _ = chunked_selective_scan(x, delta, A, B, C, jnp.concatenate([h0, h0]), chunk_size=8, scan=scan,
-                                  resets=resets)
-  want = _per_document(lambda x, d, b, c: reference.sequential_selective_scan(x, d, A, b, c, h0)[0],
-                       SEGMENTS_37, x, delta, B, C)
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+  def chunked(x, delta, A, B, C):
+    return chunked_selective_scan(x, delta, A, B, C, jnp.concatenate([h0, h0]), chunk_size=8,
+                                  scan=scan, resets=resets)[0]
+
+  def per_document(x, delta, A, B, C):
+    return _per_document(
+        lambda x, d, b, c: reference.sequential_selective_scan(x, d, A, b, c, h0)[0],
+        SEGMENTS_37, x, delta, B, C)
+
+  inputs = (x, delta, A, B, C)
+  np.testing.assert_allclose(chunked(*inputs), per_document(*inputs), atol=1e-4, rtol=1e-4)
+  if scan != "sequential":  # autodiff; the hand-written backward is the sequential scan's
+    return
+  squares = lambda f: lambda *a: (f(*a) ** 2).sum()
+  got = jax.jit(jax.grad(squares(chunked), argnums=range(5)))(*inputs)
+  want = jax.jit(jax.grad(squares(per_document), argnums=range(5)))(*inputs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-3, rtol=1e-3)
 
 
 def _mixer(name, **overrides):

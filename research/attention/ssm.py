@@ -10,7 +10,9 @@ The scan runs in chunks: inside a chunk an associative scan (accelerators) or a 
 scan (CPU; model.mamba.scan), across chunks the carried state;
 each chunk is rematerialised in the backward pass, so memory grows with length as
 [batch, length, d_inner] plus one [batch, d_inner, N] state per chunk, never
-[batch, length, d_inner, N]. The decode state is the conv window and the SSM state; decoding
+[batch, length, d_inner, N]. The token-by-token chunk has a hand-written backward (a reverse-time
+adjoint scan over a [b, N, d_inner] state; XLA's autodiff of the scan was over 10x its forward
+on CPU). The decode state is the conv window and the SSM state; decoding
 runs the same chunked scan on any number of new tokens (prefill is one pass). Packed documents:
 at a segment start the decay is 0 (h restarts from the drive alone) and the convolution sees no
 input of an earlier segment.
@@ -46,17 +48,88 @@ def _associative_chunk(h_BxExN, chunk, A_ExN):
   return h[:, -1], jnp.einsum("bcen,bcn->bce", h, C)
 
 
-def _sequential_chunk(h_BxExN, chunk, A_ExN):
-  """One chunk token by token: the [b, E, N] state stays in cache, which is fastest on CPUs."""
+def _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE):
+  """exp(delta_t A) (0 where the state restarts) and delta_t x_t B_t^T, each [b, N, E]."""
+  decay = jnp.exp(delta_t[:, None, :] * A_NxE) * keep_t[:, None, None]
+  return decay, B_t[..., None] * (delta_t * x_t)[:, None, :]
+
+
+def _forward_states(h_BxNxE, chunk, A_NxE):
+  """The chunk token by token; returns h_c and every h_t, [c, b, N, E] (for the backward)."""
 
   def step(h, inputs):
-    x_t, delta_t, B_t, C_t, keep_t = inputs
-    decay = jnp.exp(delta_t[..., None] * A_ExN) * keep_t[:, None, None]
-    h = decay * h + (delta_t * x_t)[..., None] * B_t[:, None, :]
-    return h, jnp.einsum("ben,bn->be", h, C_t)
+    x_t, delta_t, B_t, _, keep_t = inputs
+    decay, drive = _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE)
+    h = decay * h + drive
+    return h, h
 
-  h, y = jax.lax.scan(step, h_BxExN, tuple(t.swapaxes(0, 1) for t in chunk))
+  return jax.lax.scan(step, h_BxNxE, tuple(t.swapaxes(0, 1) for t in chunk))
+
+
+def _sequential_chunk(h_BxExN, chunk, A_ExN):
+  """One chunk token by token: the [b, E, N] state stays in cache, which is fastest on CPUs.
+  Inside, the state is laid out [b, N, E] (contractions over N are then vector adds).
+
+  Its backward (_sequential_chunk_bwd) is written out rather than derived by autodiff, which
+  on XLA's CPU backend costs over 10x the forward (stacked per-step residuals, transposes);
+  tests/test_kernels.py checks it against autodiff of the reference scan.
+  """
+  h, y = _sequential_chunk_nxe(h_BxExN.swapaxes(1, 2), chunk, A_ExN.T)
+  return h.swapaxes(1, 2), y
+
+
+@jax.custom_vjp
+def _sequential_chunk_nxe(h_BxNxE, chunk, A_NxE):
+  def step(h, inputs):
+    x_t, delta_t, B_t, C_t, keep_t = inputs
+    decay, drive = _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE)
+    h = decay * h + drive
+    return h, jnp.einsum("bne,bn->be", h, C_t)
+
+  h, y = jax.lax.scan(step, h_BxNxE, tuple(t.swapaxes(0, 1) for t in chunk))
   return h, y.swapaxes(0, 1)
+
+
+def _sequential_chunk_fwd(h_BxNxE, chunk, A_NxE):
+  return _sequential_chunk_nxe(h_BxNxE, chunk, A_NxE), (h_BxNxE, chunk, A_NxE)
+
+
+def _sequential_chunk_bwd(residuals, cotangents):
+  """Reverse-time adjoint of h_t = decay_t h_{t-1} + drive_t, y_t = h_t C_t.
+
+  g_t (the gradient reaching h_t) = dh_c at t = c, g_t = dy_t C_t^T + decay_{t+1} g_{t+1};
+  then d drive_t = g_t, d(delta_t A) = g_t h_{t-1} decay_t, dC_t = h_t^T dy_t, dh_0 = decay_1 g_1.
+  The states h_t are recomputed from the chunk's start (the chunk is the rematerialised unit).
+  keep comes from boolean resets and gets a zero gradient.
+  """
+  h0, chunk, A_NxE = residuals
+  dh, dy_BxCxE = cotangents
+  x, delta, B, C, keep = chunk
+  _, states = _forward_states(h0, chunk, A_NxE)
+  previous = jnp.concatenate([h0[None], states[:-1]])
+
+  def step(carry, inputs):
+    g, dA = carry
+    x_t, delta_t, B_t, C_t, keep_t, dy_t, h_t, h_prev = inputs
+    decay, _ = _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE)
+    g = g + C_t[..., None] * dy_t[:, None, :]
+    d_exponent = g * h_prev * decay  # d(delta_t A)
+    d_scaled_x = jnp.einsum("bne,bn->be", g, B_t)  # d(delta_t x_t)
+    grads = (d_scaled_x * delta_t,
+             jnp.einsum("bne,ne->be", d_exponent, A_NxE) + d_scaled_x * x_t,
+             jnp.einsum("bne,be->bn", g, delta_t * x_t),
+             jnp.einsum("bne,be->bn", h_t, dy_t))
+    dA = dA + jnp.einsum("bne,be->ne", d_exponent, delta_t)
+    return (g * decay, dA), grads
+
+  time_major = tuple(t.swapaxes(0, 1) for t in (x, delta, B, C, keep, dy_BxCxE))
+  (dh0, dA), (dx, ddelta, dB, dC) = jax.lax.scan(
+      step, (dh, jnp.zeros_like(A_NxE)), (*time_major, states, previous), reverse=True)
+  batch_major = tuple(t.swapaxes(0, 1) for t in (dx, ddelta, dB, dC))
+  return dh0, (*batch_major, jnp.zeros_like(keep)), dA
+
+
+_sequential_chunk_nxe.defvjp(_sequential_chunk_fwd, _sequential_chunk_bwd)
 
 
 SCANS = {"associative": _associative_chunk, "sequential": _sequential_chunk}
@@ -90,7 +163,9 @@ def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associ
   keep = jnp.pad((~resets).astype(x.dtype), [(0, 0), (0, padded - length)], constant_values=1)
   keep = keep.reshape(b, padded // chunk, chunk).swapaxes(0, 1)
   chunk_scan = SCANS[scan]
-  body = jax.checkpoint(lambda h, c: chunk_scan(h, c, A))
+  body = lambda h, c: chunk_scan(h, c, A)
+  if scan == "associative":  # the sequential chunk recomputes its states in its own backward
+    body = jax.checkpoint(body)
   h, y = jax.lax.scan(body, h0, (*map(to_chunks, (x, delta, B, C)), keep))
   return y.swapaxes(0, 1).reshape(b, padded, -1)[:, :length], h
 
