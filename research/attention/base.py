@@ -60,8 +60,12 @@ class Mixer(nnx.Module):
 
 
 def head_projection(d_model, heads, head_dim, heads_axis, *, rngs, dtype,
-                    init=nnx.initializers.lecun_normal()):
-  """x [B, L, D] -> [B, L, heads, H], the kernel's axes (embed, heads_axis, head_dim)."""
+                    init=nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))):
+  """x [B, L, D] -> [B, L, heads, H], the kernel's axes (embed, heads_axis, head_dim).
+
+  The default init is LeCun normal with fan-in d_model (the kernel's first axis), as a
+  [D, heads * H] dense layer; plain lecun_normal() would read the [D, heads, H] kernel as fan-in
+  heads * D and start every head sqrt(heads) too small."""
   return nn.dense("BLD,DNH->BLNH", (d_model, heads, head_dim), ("embed", heads_axis, "head_dim"),
                   rngs=rngs, dtype=dtype, init=init)
 
