@@ -41,25 +41,50 @@ A_INIT_RANGE = (1.0, 16.0)
 NORM_EPSILON = 1e-5
 
 
-def _ssd_chunk(carry, chunk):
-  """One chunk of the SSD form. x is already multiplied by dt; padding has dt = 0 (decay 1,
-  nothing added)."""
-  h_BxHxPxN, carried_segment_B = carry
-  segments_BxC, x_BxCxHxP, log_decay_BxCxH, B_BxCxN, C_BxCxN = chunk
-  same, sees_state, keeps_state, adds = masks.chunk_segments(segments_BxC, carried_segment_B)
-  cum_BxCxH = jnp.cumsum(log_decay_BxCxH, axis=1)
-  cum_BxHxC = cum_BxCxH.transpose(0, 2, 1)
+def _chunk_states(xdt_BxZxCxHxP, to_end_BxZxCxH, B_BxZxCxN):
+  """Each chunk's own contribution to the state at its end, from a zero state:
+  sum_s exp(cum_C - cum_s) dt_s x_s B_s^T over the chunk's last segment -> [B, Z, H, P, N]."""
+  return jnp.einsum("bzchp,bzcn->bzhpn", xdt_BxZxCxHxP * to_end_BxZxCxH[..., None], B_BxZxCxN)
+
+
+def _chunk_starts(h0_BxHxPxN, chunk_decay_BxZxH, chunk_states_BxZxHxPxN):
+  """The state entering every chunk, h_z = decay_z h_{z-1} + states_z from h_0 = h0 (a scan
+  over chunks of [B, H, P, N] only). Returns (starts [B, Z, H, P, N], the final state)."""
+  def step(h_BxHxPxN, decay_and_states):
+    decay_BxH, states_BxHxPxN = decay_and_states
+    return decay_BxH[..., None, None] * h_BxHxPxN + states_BxHxPxN, h_BxHxPxN
+
+  h, starts = jax.lax.scan(step, h0_BxHxPxN, (chunk_decay_BxZxH.swapaxes(0, 1),
+                                              chunk_states_BxZxHxPxN.swapaxes(0, 1)))
+  return starts.swapaxes(0, 1), h
+
+
+def _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same_KxCxC, B_KxCxN, C_KxCxN):
+  """y_l = sum_{s <= l, same segment} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s for every chunk
+  at once: a masked [C, C] attention-like matmul per chunk and head -> [K, H, C, P]."""
   # exp(cum_l - cum_s) for s <= l in the same segment; masked before exp, so no overflow.
-  decay_BxHxCxC = jnp.exp(jnp.where(same, cum_BxHxC[..., :, None] - cum_BxHxC[..., None, :],
-                                    -jnp.inf))
-  scores_BxHxCxC = jnp.einsum("bln,bsn->bls", C_BxCxN, B_BxCxN)[:, None] * decay_BxHxCxC
-  from_state_BxCxHxP = jnp.einsum("bln,bhpn->blhp", C_BxCxN * sees_state[..., 0], h_BxHxPxN)
-  y_BxCxHxP = (jnp.einsum("bhls,bshp->blhp", scores_BxHxCxC, x_BxCxHxP)
-               + jnp.exp(cum_BxCxH)[..., None] * from_state_BxCxHxP)
-  to_end_BxCxH = jnp.exp(cum_BxCxH[:, -1:] - cum_BxCxH) * adds[..., 0]
-  h_BxHxPxN = (jnp.exp(cum_BxCxH[:, -1])[:, :, None, None] * h_BxHxPxN * keeps_state
-               + jnp.einsum("bsh,bshp,bsn->bhpn", to_end_BxCxH, x_BxCxHxP, B_BxCxN))
-  return (h_BxHxPxN, segments_BxC[:, -1]), y_BxCxHxP
+  exponents_KxHxCxC = cum_KxHxC[..., :, None] - cum_KxHxC[..., None, :]
+  decay_KxHxCxC = jnp.exp(jnp.where(same_KxCxC[:, None], exponents_KxHxCxC, -jnp.inf))
+  scores_KxHxCxC = jnp.einsum("kln,ksn->kls", C_KxCxN, B_KxCxN)[:, None] * decay_KxHxCxC
+  return jnp.einsum("khls,khsp->khlp", scores_KxHxCxC, xdt_KxHxCxP)
+
+
+def _chunk_states(xdt_KxHxCxP, to_end_KxHxC, B_KxCxN):
+  """Each chunk's own contribution to the state at its end, from a zero state:
+  sum_s exp(cum_C - cum_s) dt_s x_s B_s^T over the chunk's last segment -> [K, H, P, N]."""
+  return jnp.einsum("khcp,kcn->khpn", xdt_KxHxCxP * to_end_KxHxC[..., None], B_KxCxN)
+
+
+def _chunk_starts(h0_BxHxPxN, chunk_decay_BxZxH, chunk_states_BxZxHxPxN):
+  """The state entering every chunk: h_z = decay_z h_{z-1} + states_z from h0, a scan over
+  chunks of [B, H, P, N] only. Returns (starts [B, Z, H, P, N], the state after the last)."""
+  def step(h_BxHxPxN, decay_and_states):
+    decay_BxH, states_BxHxPxN = decay_and_states
+    return decay_BxH[..., None, None] * h_BxHxPxN + states_BxHxPxN, h_BxHxPxN
+
+  h, starts = jax.lax.scan(step, h0_BxHxPxN, (chunk_decay_BxZxH.swapaxes(0, 1),
+                                              chunk_states_BxZxHxPxN.swapaxes(0, 1)))
+  return starts.swapaxes(0, 1), h
 
 
 def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
@@ -75,17 +100,38 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
   padded = -(-length // chunk) * chunk
   num_chunks = padded // chunk
 
-  def to_chunks(t):  # zero padding: dt = 0 leaves the state as it is
+  def to_chunks(t):  # [b, L, ...] -> [K = b * chunks, C, ...]; dt = 0 padding keeps the state
     t = jnp.pad(t, [(0, 0), (0, padded - length)] + [(0, 0)] * (t.ndim - 2))
-    return t.reshape(b, num_chunks, chunk, *t.shape[2:]).swapaxes(0, 1)
+    return t.reshape(b * num_chunks, chunk, *t.shape[2:])
+
+  def per_token(fn, *ts):  # fn on [b * L, ...]: XLA:CPU reduces slowly past a leading 1
+    return fn(*(t.reshape(b * length, *t.shape[2:]) for t in ts)).reshape(b, length, -1)
 
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
-  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
-  chunks = (segments.reshape(b, num_chunks, chunk).swapaxes(0, 1), to_chunks(x * dt[..., None]),
-            to_chunks(dt * A), to_chunks(B), to_chunks(C))
-  (h, _), y = jax.lax.scan(jax.checkpoint(_ssd_chunk), (h0, segments[:, 0]), chunks)
-  return y.swapaxes(0, 1).reshape(b, padded, heads, p)[:, :length], h
+  same, sees_state, keeps_state, adds = (
+      m.reshape(b * num_chunks, *m.shape[2:])
+      for m in masks.all_chunk_segments(segments, padded, chunk))
+  # Heads before tokens: every matmul below is batched over (batch and chunk, head).
+  xdt = per_token(lambda x, dt: x * dt[..., None], x, dt).reshape(b, length, heads, p)
+  xdt_KxHxCxP = to_chunks(xdt).swapaxes(1, 2)
+  B_KxCxN, C_KxCxN = to_chunks(B), to_chunks(C)
+  # The cumulative sum as a matmul with a triangular matrix: XLA:CPU's cumsum (reduce-window)
+  # fuses into the decay below as a slow, unvectorised loop.
+  inclusive_CxC = jnp.tril(jnp.ones((chunk, chunk), jnp.float32))
+  log_decay = per_token(lambda dt: dt * A, dt)
+  cum_KxHxC = jnp.einsum("kch,lc->khl", to_chunks(log_decay), inclusive_CxC)
+  y_KxHxCxP = _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same, B_KxCxN, C_KxCxN)
+  to_end_KxHxC = jnp.exp(cum_KxHxC[..., -1:] - cum_KxHxC) * adds[:, None]
+  chunk_decay_KxH = jnp.exp(cum_KxHxC[..., -1]) * keeps_state[:, None]
+  states_KxHxPxN = _chunk_states(xdt_KxHxCxP, to_end_KxHxC, B_KxCxN)
+  per_row = lambda t: t.reshape(b, num_chunks, *t.shape[1:])
+  starts, h = _chunk_starts(h0, per_row(chunk_decay_KxH), per_row(states_KxHxPxN))
+  from_state_KxHxCxP = jnp.einsum("kln,khpn->khlp", C_KxCxN * sees_state[..., None],
+                                  starts.reshape(states_KxHxPxN.shape))
+  y_KxHxCxP += jnp.exp(cum_KxHxC)[..., None] * from_state_KxHxCxP
+  y = y_KxHxCxP.reshape(b, num_chunks, heads, chunk, p).swapaxes(2, 3)
+  return y.reshape(b, padded, heads, p)[:, :length], h
 
 
 def _a_log_init(key, shape, dtype=jnp.float32):
