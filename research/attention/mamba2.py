@@ -104,8 +104,6 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
     t = jnp.pad(t, [(0, 0), (0, padded - length)] + [(0, 0)] * (t.ndim - 2))
     return t.reshape(b * num_chunks, chunk, *t.shape[2:])
 
-  def per_token(fn, *ts):  # fn on [b * L, ...]: XLA:CPU reduces slowly past a leading 1
-    return fn(*(t.reshape(b * length, *t.shape[2:]) for t in ts)).reshape(b, length, -1)
 
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
@@ -113,13 +111,15 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
       m.reshape(b * num_chunks, *m.shape[2:])
       for m in masks.all_chunk_segments(segments, padded, chunk))
   # Heads before tokens: every matmul below is batched over (batch and chunk, head).
-  xdt = per_token(lambda x, dt: x * dt[..., None], x, dt).reshape(b, length, heads, p)
-  xdt_KxHxCxP = to_chunks(xdt).swapaxes(1, 2)
+  # dt_t x_t on [b L, H, P]: the gradient for dt then sums over P without a batch axis of size
+  # 1 in front, which XLA:CPU sums slowly.
+  xdt = x.reshape(b * length, heads, p) * dt.reshape(b * length, heads, 1)
+  xdt_KxHxCxP = to_chunks(xdt.reshape(x.shape)).swapaxes(1, 2)
   B_KxCxN, C_KxCxN = to_chunks(B), to_chunks(C)
   # The cumulative sum as a matmul with a triangular matrix: XLA:CPU's cumsum (reduce-window)
   # fuses into the decay below as a slow, unvectorised loop.
   inclusive_CxC = jnp.tril(jnp.ones((chunk, chunk), jnp.float32))
-  log_decay = per_token(lambda dt: dt * A, dt)
+  log_decay = dt * jnp.broadcast_to(A, dt.shape)
   cum_KxHxC = jnp.einsum("kch,lc->khl", to_chunks(log_decay), inclusive_CxC)
   y_KxHxCxP = _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same, B_KxCxN, C_KxCxN)
   to_end_KxHxC = jnp.exp(cum_KxHxC[..., -1:] - cum_KxHxC) * adds[:, None]
@@ -141,7 +141,8 @@ def _a_log_init(key, shape, dtype=jnp.float32):
 def gated_rms_norm(y_BxTxE, z_BxTxE, scale_E, eps=NORM_EPSILON):
   """RMSNorm(y * silu(z)) * scale over the inner width, in float32."""
   gated = y_BxTxE.astype(jnp.float32) * jax.nn.silu(z_BxTxE.astype(jnp.float32))
-  return gated * jax.lax.rsqrt(jnp.mean(jnp.square(gated), -1, keepdims=True) + eps) * scale_E
+  normalized = gated * jax.lax.rsqrt(jnp.mean(jnp.square(gated), -1, keepdims=True) + eps)
+  return normalized * jnp.broadcast_to(scale_E, normalized.shape)  # see Mamba2._mix
 
 
 class Mamba2(base.Mixer):
@@ -172,7 +173,7 @@ class Mamba2(base.Mixer):
     self.dtype = dtype = nn.compute_dtype(model_config)
 
     def projection(width, axis):
-      return nn.dense("BLD,DF->BLF", (d, width), ("embed", axis), rngs=rngs, dtype=dtype)
+      return nn.dense("...D,DF->...F", (d, width), ("embed", axis), rngs=rngs, dtype=dtype)
 
     self.z_proj, self.x_proj = projection(e, "mlp"), projection(e, "mlp")
     self.B_proj, self.C_proj = projection(n, "state"), projection(n, "state")
@@ -190,24 +191,31 @@ class Mamba2(base.Mixer):
     self.A_log = nn.param(_a_log_init(rngs.params(), (h,)), ("heads",), weight_decay=False)
     self.D = nn.param(jnp.ones((h,)), ("heads",), weight_decay=False)
     self.norm_scale = nn.param(jnp.ones((e,)), ("mlp",), weight_decay=False)
-    self.out_proj = nn.dense("BLE,ED->BLD", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
+    self.out_proj = nn.dense("...E,ED->...D", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
 
   def _mix(self, u_BxTxD, cache, segments_BxT=None):
-    b, t, _ = u_BxTxD.shape
+    b, t, d = u_BxTxD.shape
+    # Per-token work runs on [b t, ...] (all rows' tokens on one axis), parameters broadcast to
+    # the full shape: XLA:CPU is slow to sum over an axis that follows a batch axis of size 1,
+    # which implicit broadcasting and [b, t, ...] projections leave in the gradients.
+    u_TxD = u_BxTxD.reshape(b * t, d)
     streams, windows = {}, {}
     for name, proj in (("x", self.x_proj), ("B", self.B_proj), ("C", self.C_proj)):
       y, windows[name] = causal_depthwise_conv(
-          proj(u_BxTxD), cache["conv"][name], self.conv_kernels[name][...],
+          proj(u_TxD).reshape(b, t, -1), cache["conv"][name], self.conv_kernels[name][...],
           self.conv_biases[name][...], segments_BxT)
       streams[name] = jax.nn.silu(y).astype(jnp.float32)
-    x_BxTxHxP = streams["x"].reshape(b, t, self.num_heads, self.head_dim)
-    dt_BxTxH = jax.nn.softplus(self.dt_proj(u_BxTxD).astype(jnp.float32) + self.dt_bias[...])
-    y, h = chunked_ssd(x_BxTxHxP, dt_BxTxH, -jnp.exp(self.A_log[...]), streams["B"],
-                       streams["C"], cache["ssm"], chunk_size=self.chunk_size,
-                       segments=segments_BxT)
-    y = (y + self.D[...][:, None] * x_BxTxHxP).reshape(b, t, self.d_inner)
-    y = gated_rms_norm(y, self.z_proj(u_BxTxD), self.norm_scale[...])
-    return self.out_proj(y.astype(self.dtype)), {"conv": windows, "ssm": h}
+    x_TxHxP = streams["x"].reshape(b * t, self.num_heads, self.head_dim)
+    dt_TxH = self.dt_proj(u_TxD).astype(jnp.float32)
+    dt_TxH = jax.nn.softplus(dt_TxH + jnp.broadcast_to(self.dt_bias[...], dt_TxH.shape))
+    y, h = chunked_ssd(x_TxHxP.reshape(b, t, *x_TxHxP.shape[1:]), dt_TxH.reshape(b, t, -1),
+                       -jnp.exp(self.A_log[...]), streams["B"], streams["C"], cache["ssm"],
+                       chunk_size=self.chunk_size, segments=segments_BxT)
+    skip_TxHxP = jnp.broadcast_to(self.D[...][:, None], x_TxHxP.shape) * x_TxHxP
+    y_TxE = (y.reshape(x_TxHxP.shape) + skip_TxHxP).reshape(b * t, self.d_inner)
+    y_TxE = gated_rms_norm(y_TxE, self.z_proj(u_TxD), self.norm_scale[...])
+    out_TxD = self.out_proj(y_TxE.astype(self.dtype))
+    return out_TxD.reshape(b, t, d), {"conv": windows, "ssm": h}
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     del positions_BxL  # order comes from the recurrence
