@@ -12,17 +12,22 @@ D = 1, no projection biases, a conv bias; the norm multiplies y by the gate befo
 expand * d_model / head_dim; model.num_heads is not used. Projections are initialised like the
 lab's other dense layers (LeCun normal) rather than PyTorch's default uniform.
 
-The chunked SSD ("state space duality") form computes the scan as matmuls. With
-a_t = dt_t A and, within a chunk, cum_l = a_1 + ... + a_l:
+The chunked SSD ("state space duality") form computes the scan as matmuls (the "minimal SSD"
+algorithm of the paper, section 7). With a_t = dt_t A and, within a chunk, cum_l = a_1 + ... + a_l:
   intra-chunk:  y_l = sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s     (a masked [C, C]
                 attention-like matmul whose mask is the segment-sum decay)
+  chunk state:  S = sum_s exp(cum_C - cum_s) dt_s x_s B_s^T      (the chunk's own part, from 0)
+  next state:   h = exp(cum_C) h_prev + S
   from state:   y_l += exp(cum_l) h_prev C_l
-  next state:   h = exp(cum_C) h_prev + sum_s exp(cum_C - cum_s) dt_s x_s B_s^T
-and a scan over chunks carries h (each chunk rematerialised in the backward pass), so memory
-grows as [length, C] and never [length, length] or [length, P, N]. Retention is the special case
-of a constant decay and per-head B, C (research/attention/retention.py). Decoding runs the same
-form from the cached conv windows and SSM state on any number of new tokens (prefill is one
-pass). Packed documents: the state restarts at a segment start (the intra-chunk mask keeps to the
+The intra-chunk outputs and chunk states of all chunks are batched matmuls over (batch and
+chunk, head); only the [H, P, N] state is scanned over chunks, and the from-state outputs are
+again one batched matmul. Memory grows as [length, C] per head plus one [H, P, N] state per
+chunk, never [length, length] or [length, P, N]. Retention is the special case of a constant
+decay and per-head B, C (research/attention/retention.py). Decoding runs the same form from the
+cached conv windows and SSM state on any number of new tokens (prefill is one pass). On CPU,
+per-token work runs on [batch * length, ...] and parameters are broadcast to the activations'
+full shape (see Mamba2._mix): XLA:CPU is slow to sum over tokens behind a batch axis of size 1.
+Packed documents: the state restarts at a segment start (the intra-chunk mask keeps to the
 segment, the carried state reaches only its own segment's tokens) and the convolution sees no
 input of an earlier segment, as Mamba does here.
 """
@@ -104,15 +109,14 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
     t = jnp.pad(t, [(0, 0), (0, padded - length)] + [(0, 0)] * (t.ndim - 2))
     return t.reshape(b * num_chunks, chunk, *t.shape[2:])
 
-
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
   same, sees_state, keeps_state, adds = (
       m.reshape(b * num_chunks, *m.shape[2:])
       for m in masks.all_chunk_segments(segments, padded, chunk))
-  # Heads before tokens: every matmul below is batched over (batch and chunk, head).
-  # dt_t x_t on [b L, H, P]: the gradient for dt then sums over P without a batch axis of size
-  # 1 in front, which XLA:CPU sums slowly.
+  # Heads before tokens: every matmul below is batched over (batch and chunk, head). dt_t x_t
+  # on [b L, H, P] and A broadcast to dt's shape: their gradients then sum without a batch axis
+  # of size 1 in front, which XLA:CPU sums slowly.
   xdt = x.reshape(b * length, heads, p) * dt.reshape(b * length, heads, 1)
   xdt_KxHxCxP = to_chunks(xdt.reshape(x.shape)).swapaxes(1, 2)
   B_KxCxN, C_KxCxN = to_chunks(B), to_chunks(C)
