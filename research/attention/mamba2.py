@@ -121,10 +121,12 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
   xdt_KxHxCxP = to_chunks(xdt.reshape(x.shape)).swapaxes(1, 2)
   B_KxCxN, C_KxCxN = to_chunks(B), to_chunks(C)
   # The cumulative sum as a matmul with a triangular matrix: XLA:CPU's cumsum (reduce-window)
-  # fuses into the decay below as a slow, unvectorised loop.
+  # fuses into the decay below as a slow, unvectorised loop. Full float32 precision: the sums
+  # are exponentiated (no TF32 / bf16 passes on accelerators).
   inclusive_CxC = jnp.tril(jnp.ones((chunk, chunk), jnp.float32))
   log_decay = dt * jnp.broadcast_to(A, dt.shape)
-  cum_KxHxC = jnp.einsum("kch,lc->khl", to_chunks(log_decay), inclusive_CxC)
+  cum_KxHxC = jnp.einsum("kch,lc->khl", to_chunks(log_decay), inclusive_CxC,
+                         precision=jax.lax.Precision.HIGHEST)
   y_KxHxCxP = _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same, B_KxCxN, C_KxCxN)
   to_end_KxHxC = jnp.exp(cum_KxHxC[..., -1:] - cum_KxHxC) * adds[:, None]
   chunk_decay_KxH = jnp.exp(cum_KxHxC[..., -1]) * keeps_state[:, None]
