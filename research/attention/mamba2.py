@@ -144,9 +144,9 @@ def _a_log_init(key, shape, dtype=jnp.float32):
   return jnp.log(jax.random.uniform(key, shape, dtype, *A_INIT_RANGE))
 
 
-def gated_rms_norm(y_BxTxE, z_BxTxE, scale_E, eps=NORM_EPSILON):
+def gated_rms_norm(y_TxE, z_TxE, scale_E, eps=NORM_EPSILON):
   """RMSNorm(y * silu(z)) * scale over the inner width, in float32."""
-  gated = y_BxTxE.astype(jnp.float32) * jax.nn.silu(z_BxTxE.astype(jnp.float32))
+  gated = y_TxE.astype(jnp.float32) * jax.nn.silu(z_TxE.astype(jnp.float32))
   normalized = gated * jax.lax.rsqrt(jnp.mean(jnp.square(gated), -1, keepdims=True) + eps)
   return normalized * jnp.broadcast_to(scale_E, normalized.shape)  # see Mamba2._mix
 
@@ -201,9 +201,11 @@ class Mamba2(base.Mixer):
 
   def _mix(self, u_BxTxD, cache, segments_BxT=None):
     b, t, d = u_BxTxD.shape
-    # Per-token work runs on [b t, ...] (all rows' tokens on one axis), parameters broadcast to
-    # the full shape: XLA:CPU is slow to sum over an axis that follows a batch axis of size 1,
-    # which implicit broadcasting and [b, t, ...] projections leave in the gradients.
+    # Per-token work runs on [b t, ...] (all rows' tokens on one axis) and parameters are
+    # broadcast to the full shape, for XLA:CPU: the weight gradient of a [b, t, d] einsum first
+    # transposes its cotangent (fusing the whole backward chain into that transpose, about 2x
+    # the time of the 2-D form), and it is slow to sum over an axis behind a batch axis of size
+    # 1, which implicit broadcasting keeps.
     u_TxD = u_BxTxD.reshape(b * t, d)
     streams, windows = {}, {}
     for name, proj in (("x", self.x_proj), ("B", self.B_proj), ("C", self.C_proj)):
