@@ -12,17 +12,22 @@ D = 1, no projection biases, a conv bias; the norm multiplies y by the gate befo
 expand * d_model / head_dim; model.num_heads is not used. Projections are initialised like the
 lab's other dense layers (LeCun normal) rather than PyTorch's default uniform.
 
-The chunked SSD ("state space duality") form computes the scan as matmuls. With
-a_t = dt_t A and, within a chunk, cum_l = a_1 + ... + a_l:
+The chunked SSD ("state space duality") form computes the scan as matmuls (the "minimal SSD"
+algorithm of the paper, section 7). With a_t = dt_t A and, within a chunk, cum_l = a_1 + ... + a_l:
   intra-chunk:  y_l = sum_{s <= l} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s     (a masked [C, C]
                 attention-like matmul whose mask is the segment-sum decay)
+  chunk state:  S = sum_s exp(cum_C - cum_s) dt_s x_s B_s^T      (the chunk's own part, from 0)
+  next state:   h = exp(cum_C) h_prev + S
   from state:   y_l += exp(cum_l) h_prev C_l
-  next state:   h = exp(cum_C) h_prev + sum_s exp(cum_C - cum_s) dt_s x_s B_s^T
-and a scan over chunks carries h (each chunk rematerialised in the backward pass), so memory
-grows as [length, C] and never [length, length] or [length, P, N]. Retention is the special case
-of a constant decay and per-head B, C (research/attention/retention.py). Decoding runs the same
-form from the cached conv windows and SSM state on any number of new tokens (prefill is one
-pass). Packed documents: the state restarts at a segment start (the intra-chunk mask keeps to the
+The intra-chunk outputs and chunk states of all chunks are batched matmuls over (batch and
+chunk, head); only the [H, P, N] state is scanned over chunks, and the from-state outputs are
+again one batched matmul. Memory grows as [length, C] per head plus one [H, P, N] state per
+chunk, never [length, length] or [length, P, N]. Retention is the special case of a constant
+decay and per-head B, C (research/attention/retention.py). Decoding runs the same form from the
+cached conv windows and SSM state on any number of new tokens (prefill is one pass). On CPU,
+per-token work runs on [batch * length, ...] and parameters are broadcast to the activations'
+full shape (see Mamba2._mix): XLA:CPU is slow to sum over tokens behind a batch axis of size 1.
+Packed documents: the state restarts at a segment start (the intra-chunk mask keeps to the
 segment, the carried state reaches only its own segment's tokens) and the convolution sees no
 input of an earlier segment, as Mamba does here.
 """
@@ -41,25 +46,50 @@ A_INIT_RANGE = (1.0, 16.0)
 NORM_EPSILON = 1e-5
 
 
-def _ssd_chunk(carry, chunk):
-  """One chunk of the SSD form. x is already multiplied by dt; padding has dt = 0 (decay 1,
-  nothing added)."""
-  h_BxHxPxN, carried_segment_B = carry
-  segments_BxC, x_BxCxHxP, log_decay_BxCxH, B_BxCxN, C_BxCxN = chunk
-  same, sees_state, keeps_state, adds = masks.chunk_segments(segments_BxC, carried_segment_B)
-  cum_BxCxH = jnp.cumsum(log_decay_BxCxH, axis=1)
-  cum_BxHxC = cum_BxCxH.transpose(0, 2, 1)
+def _chunk_states(xdt_BxZxCxHxP, to_end_BxZxCxH, B_BxZxCxN):
+  """Each chunk's own contribution to the state at its end, from a zero state:
+  sum_s exp(cum_C - cum_s) dt_s x_s B_s^T over the chunk's last segment -> [B, Z, H, P, N]."""
+  return jnp.einsum("bzchp,bzcn->bzhpn", xdt_BxZxCxHxP * to_end_BxZxCxH[..., None], B_BxZxCxN)
+
+
+def _chunk_starts(h0_BxHxPxN, chunk_decay_BxZxH, chunk_states_BxZxHxPxN):
+  """The state entering every chunk, h_z = decay_z h_{z-1} + states_z from h_0 = h0 (a scan
+  over chunks of [B, H, P, N] only). Returns (starts [B, Z, H, P, N], the final state)."""
+  def step(h_BxHxPxN, decay_and_states):
+    decay_BxH, states_BxHxPxN = decay_and_states
+    return decay_BxH[..., None, None] * h_BxHxPxN + states_BxHxPxN, h_BxHxPxN
+
+  h, starts = jax.lax.scan(step, h0_BxHxPxN, (chunk_decay_BxZxH.swapaxes(0, 1),
+                                              chunk_states_BxZxHxPxN.swapaxes(0, 1)))
+  return starts.swapaxes(0, 1), h
+
+
+def _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same_KxCxC, B_KxCxN, C_KxCxN):
+  """y_l = sum_{s <= l, same segment} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s for every chunk
+  at once: a masked [C, C] attention-like matmul per chunk and head -> [K, H, C, P]."""
   # exp(cum_l - cum_s) for s <= l in the same segment; masked before exp, so no overflow.
-  decay_BxHxCxC = jnp.exp(jnp.where(same, cum_BxHxC[..., :, None] - cum_BxHxC[..., None, :],
-                                    -jnp.inf))
-  scores_BxHxCxC = jnp.einsum("bln,bsn->bls", C_BxCxN, B_BxCxN)[:, None] * decay_BxHxCxC
-  from_state_BxCxHxP = jnp.einsum("bln,bhpn->blhp", C_BxCxN * sees_state[..., 0], h_BxHxPxN)
-  y_BxCxHxP = (jnp.einsum("bhls,bshp->blhp", scores_BxHxCxC, x_BxCxHxP)
-               + jnp.exp(cum_BxCxH)[..., None] * from_state_BxCxHxP)
-  to_end_BxCxH = jnp.exp(cum_BxCxH[:, -1:] - cum_BxCxH) * adds[..., 0]
-  h_BxHxPxN = (jnp.exp(cum_BxCxH[:, -1])[:, :, None, None] * h_BxHxPxN * keeps_state
-               + jnp.einsum("bsh,bshp,bsn->bhpn", to_end_BxCxH, x_BxCxHxP, B_BxCxN))
-  return (h_BxHxPxN, segments_BxC[:, -1]), y_BxCxHxP
+  exponents_KxHxCxC = cum_KxHxC[..., :, None] - cum_KxHxC[..., None, :]
+  decay_KxHxCxC = jnp.exp(jnp.where(same_KxCxC[:, None], exponents_KxHxCxC, -jnp.inf))
+  scores_KxHxCxC = jnp.einsum("kln,ksn->kls", C_KxCxN, B_KxCxN)[:, None] * decay_KxHxCxC
+  return jnp.einsum("khls,khsp->khlp", scores_KxHxCxC, xdt_KxHxCxP)
+
+
+def _chunk_states(xdt_KxHxCxP, to_end_KxHxC, B_KxCxN):
+  """Each chunk's own contribution to the state at its end, from a zero state:
+  sum_s exp(cum_C - cum_s) dt_s x_s B_s^T over the chunk's last segment -> [K, H, P, N]."""
+  return jnp.einsum("khcp,kcn->khpn", xdt_KxHxCxP * to_end_KxHxC[..., None], B_KxCxN)
+
+
+def _chunk_starts(h0_BxHxPxN, chunk_decay_BxZxH, chunk_states_BxZxHxPxN):
+  """The state entering every chunk: h_z = decay_z h_{z-1} + states_z from h0, a scan over
+  chunks of [B, H, P, N] only. Returns (starts [B, Z, H, P, N], the state after the last)."""
+  def step(h_BxHxPxN, decay_and_states):
+    decay_BxH, states_BxHxPxN = decay_and_states
+    return decay_BxH[..., None, None] * h_BxHxPxN + states_BxHxPxN, h_BxHxPxN
+
+  h, starts = jax.lax.scan(step, h0_BxHxPxN, (chunk_decay_BxZxH.swapaxes(0, 1),
+                                              chunk_states_BxZxHxPxN.swapaxes(0, 1)))
+  return starts.swapaxes(0, 1), h
 
 
 def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
@@ -75,27 +105,50 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
   padded = -(-length // chunk) * chunk
   num_chunks = padded // chunk
 
-  def to_chunks(t):  # zero padding: dt = 0 leaves the state as it is
+  def to_chunks(t):  # [b, L, ...] -> [K = b * chunks, C, ...]; dt = 0 padding keeps the state
     t = jnp.pad(t, [(0, 0), (0, padded - length)] + [(0, 0)] * (t.ndim - 2))
-    return t.reshape(b, num_chunks, chunk, *t.shape[2:]).swapaxes(0, 1)
+    return t.reshape(b * num_chunks, chunk, *t.shape[2:])
 
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
-  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
-  chunks = (segments.reshape(b, num_chunks, chunk).swapaxes(0, 1), to_chunks(x * dt[..., None]),
-            to_chunks(dt * A), to_chunks(B), to_chunks(C))
-  (h, _), y = jax.lax.scan(jax.checkpoint(_ssd_chunk), (h0, segments[:, 0]), chunks)
-  return y.swapaxes(0, 1).reshape(b, padded, heads, p)[:, :length], h
+  same, sees_state, keeps_state, adds = (
+      m.reshape(b * num_chunks, *m.shape[2:])
+      for m in masks.all_chunk_segments(segments, padded, chunk))
+  # Heads before tokens: every matmul below is batched over (batch and chunk, head). dt_t x_t
+  # on [b L, H, P] and A broadcast to dt's shape: their gradients then sum without a batch axis
+  # of size 1 in front, which XLA:CPU sums slowly.
+  xdt = x.reshape(b * length, heads, p) * dt.reshape(b * length, heads, 1)
+  xdt_KxHxCxP = to_chunks(xdt.reshape(x.shape)).swapaxes(1, 2)
+  B_KxCxN, C_KxCxN = to_chunks(B), to_chunks(C)
+  # The cumulative sum as a matmul with a triangular matrix: XLA:CPU's cumsum (reduce-window)
+  # fuses into the decay below as a slow, unvectorised loop. Full float32 precision: the sums
+  # are exponentiated (no TF32 / bf16 passes on accelerators).
+  inclusive_CxC = jnp.tril(jnp.ones((chunk, chunk), jnp.float32))
+  log_decay = dt * jnp.broadcast_to(A, dt.shape)
+  cum_KxHxC = jnp.einsum("kch,lc->khl", to_chunks(log_decay), inclusive_CxC,
+                         precision=jax.lax.Precision.HIGHEST)
+  y_KxHxCxP = _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same, B_KxCxN, C_KxCxN)
+  to_end_KxHxC = jnp.exp(cum_KxHxC[..., -1:] - cum_KxHxC) * adds[:, None]
+  chunk_decay_KxH = jnp.exp(cum_KxHxC[..., -1]) * keeps_state[:, None]
+  states_KxHxPxN = _chunk_states(xdt_KxHxCxP, to_end_KxHxC, B_KxCxN)
+  per_row = lambda t: t.reshape(b, num_chunks, *t.shape[1:])
+  starts, h = _chunk_starts(h0, per_row(chunk_decay_KxH), per_row(states_KxHxPxN))
+  from_state_KxHxCxP = jnp.einsum("kln,khpn->khlp", C_KxCxN * sees_state[..., None],
+                                  starts.reshape(states_KxHxPxN.shape))
+  y_KxHxCxP += jnp.exp(cum_KxHxC)[..., None] * from_state_KxHxCxP
+  y = y_KxHxCxP.reshape(b, num_chunks, heads, chunk, p).swapaxes(2, 3)
+  return y.reshape(b, padded, heads, p)[:, :length], h
 
 
 def _a_log_init(key, shape, dtype=jnp.float32):
   return jnp.log(jax.random.uniform(key, shape, dtype, *A_INIT_RANGE))
 
 
-def gated_rms_norm(y_BxTxE, z_BxTxE, scale_E, eps=NORM_EPSILON):
+def gated_rms_norm(y_TxE, z_TxE, scale_E, eps=NORM_EPSILON):
   """RMSNorm(y * silu(z)) * scale over the inner width, in float32."""
-  gated = y_BxTxE.astype(jnp.float32) * jax.nn.silu(z_BxTxE.astype(jnp.float32))
-  return gated * jax.lax.rsqrt(jnp.mean(jnp.square(gated), -1, keepdims=True) + eps) * scale_E
+  gated = y_TxE.astype(jnp.float32) * jax.nn.silu(z_TxE.astype(jnp.float32))
+  normalized = gated * jax.lax.rsqrt(jnp.mean(jnp.square(gated), -1, keepdims=True) + eps)
+  return normalized * jnp.broadcast_to(scale_E, normalized.shape)  # see Mamba2._mix
 
 
 class Mamba2(base.Mixer):
@@ -126,7 +179,7 @@ class Mamba2(base.Mixer):
     self.dtype = dtype = nn.compute_dtype(model_config)
 
     def projection(width, axis):
-      return nn.dense("BLD,DF->BLF", (d, width), ("embed", axis), rngs=rngs, dtype=dtype)
+      return nn.dense("...D,DF->...F", (d, width), ("embed", axis), rngs=rngs, dtype=dtype)
 
     self.z_proj, self.x_proj = projection(e, "mlp"), projection(e, "mlp")
     self.B_proj, self.C_proj = projection(n, "state"), projection(n, "state")
@@ -144,24 +197,33 @@ class Mamba2(base.Mixer):
     self.A_log = nn.param(_a_log_init(rngs.params(), (h,)), ("heads",), weight_decay=False)
     self.D = nn.param(jnp.ones((h,)), ("heads",), weight_decay=False)
     self.norm_scale = nn.param(jnp.ones((e,)), ("mlp",), weight_decay=False)
-    self.out_proj = nn.dense("BLE,ED->BLD", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
+    self.out_proj = nn.dense("...E,ED->...D", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
 
   def _mix(self, u_BxTxD, cache, segments_BxT=None):
-    b, t, _ = u_BxTxD.shape
+    b, t, d = u_BxTxD.shape
+    # Per-token work runs on [b t, ...] (all rows' tokens on one axis) and parameters are
+    # broadcast to the full shape, for XLA:CPU: the weight gradient of a [b, t, d] einsum first
+    # transposes its cotangent (fusing the whole backward chain into that transpose, about 2x
+    # the time of the 2-D form), and it is slow to sum over an axis behind a batch axis of size
+    # 1, which implicit broadcasting keeps.
+    u_TxD = u_BxTxD.reshape(b * t, d)
     streams, windows = {}, {}
     for name, proj in (("x", self.x_proj), ("B", self.B_proj), ("C", self.C_proj)):
       y, windows[name] = causal_depthwise_conv(
-          proj(u_BxTxD), cache["conv"][name], self.conv_kernels[name][...],
+          proj(u_TxD).reshape(b, t, -1), cache["conv"][name], self.conv_kernels[name][...],
           self.conv_biases[name][...], segments_BxT)
       streams[name] = jax.nn.silu(y).astype(jnp.float32)
-    x_BxTxHxP = streams["x"].reshape(b, t, self.num_heads, self.head_dim)
-    dt_BxTxH = jax.nn.softplus(self.dt_proj(u_BxTxD).astype(jnp.float32) + self.dt_bias[...])
-    y, h = chunked_ssd(x_BxTxHxP, dt_BxTxH, -jnp.exp(self.A_log[...]), streams["B"],
-                       streams["C"], cache["ssm"], chunk_size=self.chunk_size,
-                       segments=segments_BxT)
-    y = (y + self.D[...][:, None] * x_BxTxHxP).reshape(b, t, self.d_inner)
-    y = gated_rms_norm(y, self.z_proj(u_BxTxD), self.norm_scale[...])
-    return self.out_proj(y.astype(self.dtype)), {"conv": windows, "ssm": h}
+    x_TxHxP = streams["x"].reshape(b * t, self.num_heads, self.head_dim)
+    dt_TxH = self.dt_proj(u_TxD).astype(jnp.float32)
+    dt_TxH = jax.nn.softplus(dt_TxH + jnp.broadcast_to(self.dt_bias[...], dt_TxH.shape))
+    y, h = chunked_ssd(x_TxHxP.reshape(b, t, *x_TxHxP.shape[1:]), dt_TxH.reshape(b, t, -1),
+                       -jnp.exp(self.A_log[...]), streams["B"], streams["C"], cache["ssm"],
+                       chunk_size=self.chunk_size, segments=segments_BxT)
+    skip_TxHxP = jnp.broadcast_to(self.D[...][:, None], x_TxHxP.shape) * x_TxHxP
+    y_TxE = (y.reshape(x_TxHxP.shape) + skip_TxHxP).reshape(b * t, self.d_inner)
+    y_TxE = gated_rms_norm(y_TxE, self.z_proj(u_TxD), self.norm_scale[...])
+    out_TxD = self.out_proj(y_TxE.astype(self.dtype))
+    return out_TxD.reshape(b, t, d), {"conv": windows, "ssm": h}
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     del positions_BxL  # order comes from the recurrence

@@ -184,8 +184,12 @@ def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F=None, segmen
     channels = (1,) * (x_BxTxF.ndim - 2)
     taps = [tap * (segments[:, i:i + t] == segments_BxT).reshape(*segments_BxT.shape, *channels)
             for i, tap in enumerate(taps)]
-  y = sum(tap * kernel[i] for i, tap in enumerate(taps))
-  return (y if bias_F is None else y + bias_F.astype(y.dtype)), full[:, t:]
+  # Parameters broadcast to the full shape: the gradient then sums over every token axis at
+  # once (XLA:CPU sums slowly over an axis that follows a kept batch axis of size 1).
+  y = sum(tap * jnp.broadcast_to(kernel[i], tap.shape) for i, tap in enumerate(taps))
+  if bias_F is not None:
+    y = y + jnp.broadcast_to(bias_F.astype(y.dtype), y.shape)
+  return y, full[:, t:]
 
 
 def dt_bias_init(key, shape, dtype=jnp.float32):
