@@ -9,7 +9,8 @@ place in this form: linear attention honours the qk hook only.
 
 Training uses the chunkwise-parallel form: within a chunk of C tokens a masked [C, C] matmul,
 across chunks the running state (S, z), so nothing of size [batch, length, heads, d, d] is ever
-built; each chunk is rematerialised in the backward pass. Decoding runs the same code on the new
+built; every chunk is computed at once (batched matmuls, a scan of the small state for the states entering
+the chunks), which keeps all cores busy. Decoding runs the same code on the new
 tokens from the cached state (any number of them: prefill is one chunked pass). Packed
 documents: the sums restart at each segment start (the intra-chunk mask keeps to the segment;
 the carried state reaches only the tokens of the segment it was summed over). The feature map, the state and the denominator are float32: in
@@ -34,28 +35,20 @@ FEATURE_MAPS = {"elu": elu_plus_one, "relu": jax.nn.relu}
 EPSILON = 1e-6
 
 
-def _chunk(carry, chunk):
-  """One chunk: outputs from the carried state plus the causal intra-chunk part.
+def _states_entering_chunks(state, keeps_BxNxZ, added):
+  """The state entering each chunk z, from `state` [B, N, ...] entering chunk 0: S_in[0] = state,
+  S_in[z + 1] = keeps[z] S_in[z] + dS[z] (a scan over chunks of the small state alone).
+  added: dS [B, N, Z, ...]. Returns (S_in [B, N, Z, ...], the state after the last chunk)."""
+  keeps = keeps_BxNxZ.astype(added.dtype)
+  keeps = keeps.reshape(keeps.shape + (1,) * (added.ndim - 3))
 
-  chunk = (segments [B, C], q, k, v) or, with a query/key transform, (..., q_rot, k_rot);
-  [B, C, N, H] each, float32. carry = (S, z, the segment S and z were summed over [B]).
-  """
-  state_BxNxHxH, normalizer_BxNxH, carried_segment_B = carry
-  segments_BxC, q, k, v = chunk[:4]
-  q_rot, k_rot = chunk[4:] or (q, k)
-  same, sees_state, keeps_state, adds = masks.chunk_segments(segments_BxC, carried_segment_B)
-  scores = jnp.where(same, jnp.einsum("bcnh,bsnh->bncs", q_rot, k_rot), 0.0)
-  numerator = (jnp.einsum("bncs,bsnh->bcnh", scores, v)
-               + jnp.einsum("bcnh,bnhe->bcne", q_rot * sees_state, state_BxNxHxH))
-  if q_rot is not q:  # rotated numerator, unrotated denominator
-    scores = jnp.where(same, jnp.einsum("bcnh,bsnh->bncs", q, k), 0.0)
-  denominator = (scores.sum(-1).transpose(0, 2, 1)
-                 + jnp.einsum("bcnh,bnh->bcn", q * sees_state, normalizer_BxNxH))
-  out = numerator / (denominator[..., None] + EPSILON)
-  state_BxNxHxH = (state_BxNxHxH * keeps_state
-                   + jnp.einsum("bsnh,bsne->bnhe", k_rot * adds, v))
-  normalizer_BxNxH = normalizer_BxNxH * keeps_state[..., 0] + (k * adds).sum(1)
-  return (state_BxNxHxH, normalizer_BxNxH, segments_BxC[:, -1]), out
+  def step(s, keep_and_add):
+    keep, add = keep_and_add
+    return keep * s + add, s
+
+  final, entering = jax.lax.scan(step, state, (jnp.moveaxis(keeps, 2, 0),
+                                               jnp.moveaxis(added, 2, 0)))
+  return jnp.moveaxis(entering, 0, 2), final
 
 
 def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64,
@@ -66,30 +59,49 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
   numerator (RoPE rotations, xPos scaling); an identity transform costs nothing. `segments`
   [B, L] (packed documents, non-decreasing) restart the sums at each segment start; `state`
   belongs to the first token's segment. Returns (outputs [B, L, N, H] float32, final state).
+
+  All chunks are computed at once (batched matmuls over the chunk axis z): the masked intra-chunk
+  part, each chunk's additions to the state (dS_z = sum_s phi(k_s) v_s^T over the chunk's last
+  segment), the states entering the chunks (a scan over chunks of the state alone), and the outputs read
+  from those states. Memory is linear in length: [L, C] scores and one [N, H, H] state per chunk.
   """
   b, length, n, h = q.shape
   phi = FEATURE_MAPS[feature_map]
   q, k, v = (phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32)), v.astype(jnp.float32))
-  chunk = min(chunk_size, length)
-  padded = -(-length // chunk) * chunk
-
-  def to_chunks(x):  # zero padding adds nothing to the state: phi(k) is masked out below
-    x = jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
-    return x.reshape(b, padded // chunk, chunk, n, h).swapaxes(0, 1)
-
-  valid = (jnp.arange(padded) < length).reshape(padded // chunk, 1, chunk, 1, 1)
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
-  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
-  chunks = (segments.reshape(b, padded // chunk, chunk).swapaxes(0, 1),
-            to_chunks(q), to_chunks(k) * valid, to_chunks(v))
   q_rot = q if transform_q is None else transform_q(q)
   k_rot = k if transform_k is None else transform_k(k)
-  if q_rot is not q or k_rot is not k:
-    chunks += (to_chunks(q_rot), to_chunks(k_rot) * valid)
-  carry = (*state, segments[:, 0])
-  carry, out = jax.lax.scan(jax.checkpoint(_chunk), carry, chunks)
-  return out.swapaxes(0, 1).reshape(b, padded, n, h)[:, :length], carry[:2]
+  rotated = q_rot is not q or k_rot is not k
+  chunk = min(chunk_size, length)
+  padded = -(-length // chunk) * chunk
+  z = padded // chunk
+
+  def to_chunks(x):  # [B, L, N, H] -> [B, N, Z, C, H] (heads and chunks before tokens)
+    x = jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])  # adds nothing to the state
+    return x.reshape(b, z, chunk, n, h).transpose(0, 3, 1, 2, 4)
+
+  same, sees_state, keeps, adds = masks.all_chunk_segments(
+      jnp.zeros((b, length), jnp.int32) if segments is None else segments, padded, chunk)
+  same = same[:, None]  # [B, 1, Z, C, C]
+  sees_state, adds = sees_state[:, None, :, :, None], adds[:, None, :, :, None]  # [B, 1, Z, C, 1]
+  q_c, k_c, v_c = to_chunks(q), to_chunks(k), to_chunks(v)
+  q_rot_c, k_rot_c = (to_chunks(q_rot), to_chunks(k_rot)) if rotated else (q_c, k_c)
+
+  keeps = keeps[:, None]  # [B, 1, Z]: the same for every head
+  state_in, state_out = _states_entering_chunks(
+      state[0], keeps, jnp.einsum("bnzsh,bnzse->bnzhe", k_rot_c * adds, v_c))
+  normalizer_in, normalizer_out = _states_entering_chunks(state[1], keeps,
+                                                          (k_c * adds).sum(3))
+
+  scores = jnp.where(same, jnp.einsum("bnzch,bnzsh->bnzcs", q_rot_c, k_rot_c), 0.0)
+  numerator = (jnp.einsum("bnzcs,bnzsh->bnzch", scores, v_c)
+               + jnp.einsum("bnzch,bnzhe->bnzce", q_rot_c * sees_state, state_in))
+  if rotated:  # rotated numerator, unrotated denominator
+    scores = jnp.where(same, jnp.einsum("bnzch,bnzsh->bnzcs", q_c, k_c), 0.0)
+  denominator = (scores.sum(-1)
+                 + jnp.einsum("bnzch,bnzh->bnzc", q_c * sees_state, normalizer_in))
+  out = numerator / (denominator[..., None] + EPSILON)  # [B, N, Z, C, H]
+  out = out.transpose(0, 2, 3, 1, 4).reshape(b, padded, n, h)
+  return out[:, :length], (state_out, normalizer_out)
 
 
 class LinearAttention(base.Mixer):
