@@ -29,14 +29,38 @@ def param(value, axes, *, weight_decay: bool) -> nnx.Param:
                    weight_decay=weight_decay)
 
 
+def token_major_einsum(equation, x, kernel, **kwargs):
+  """jnp.einsum of an activation x and a kernel, with the leading axes that x and the output
+  share and the kernel lacks (batch and length: "BLD,DF->BLF") merged into one first.
+
+  Same result; on XLA's CPU backend the backward of a [B, L, ...] einsum with a kept batch axis
+  transposes the cotangent (and fuses its producers into that copy) for the weight gradient,
+  while the [B * L, ...] form reads it in place: about 2x on a dense layer's fwd+bwd.
+  """
+  inputs, output = equation.split("->")
+  lhs, rhs = inputs.split(",")
+  shared = 0
+  while (shared < min(len(lhs), len(output)) and lhs[shared] == output[shared]
+         and lhs[shared] not in rhs):
+    shared += 1
+  if shared < 2 or x.ndim != len(lhs):
+    return jnp.einsum(equation, x, kernel, **kwargs)
+  merged = next(c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in equation)
+  leading = x.shape[:shared]
+  y = jnp.einsum(f"{merged}{lhs[shared:]},{rhs}->{merged}{output[shared:]}",
+                 x.reshape((-1,) + x.shape[shared:]), kernel, **kwargs)
+  return y.reshape(leading + y.shape[1:])
+
+
 def dense(einsum, shape, axes, *, rngs, dtype, bias_shape=None, bias_axes=None,
           init=nnx.initializers.lecun_normal(), bias_init=nnx.initializers.zeros_init()):
-  """An `nnx.Einsum` with annotated parameters: the kernel decays, the bias does not."""
+  """An `nnx.Einsum` with annotated parameters: the kernel decays, the bias does not.
+  Evaluated by token_major_einsum (the batch and length axes merged)."""
   if len(shape) != len(axes):
     raise ValueError(f"kernel shape {shape} and axes {axes} differ in rank")
   return nnx.Einsum(
       einsum, shape, bias_shape, dtype=dtype, param_dtype=jnp.float32, kernel_init=init,
-      bias_init=bias_init,
+      bias_init=bias_init, einsum_op=token_major_einsum,
       kernel_metadata={"logical_axes": tuple(axes), "weight_decay": True},
       bias_metadata={"logical_axes": tuple(bias_axes or ()), "weight_decay": False}, rngs=rngs)
 
