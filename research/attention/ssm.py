@@ -259,7 +259,9 @@ class Mamba(base.Mixer):
                                   cache["ssm"], chunk_size=self.chunk_size, scan=self.scan,
                                   resets=(None if segments_BxT is None
                                           else masks.document_starts(segments_BxT)))
-    y = (y + self.D[...] * x32).astype(self.dtype) * jax.nn.silu(z)
+    # D broadcast to the full shape: XLA:CPU sums slowly over an axis behind a kept batch
+    # axis of size 1, which implicit broadcasting would leave in D's gradient.
+    y = (y + jnp.broadcast_to(self.D[...], x32.shape) * x32).astype(self.dtype) * jax.nn.silu(z)
     return self.out_proj(y), {"conv": window, "ssm": h}
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
