@@ -46,24 +46,6 @@ A_INIT_RANGE = (1.0, 16.0)
 NORM_EPSILON = 1e-5
 
 
-def _chunk_states(xdt_BxZxCxHxP, to_end_BxZxCxH, B_BxZxCxN):
-  """Each chunk's own contribution to the state at its end, from a zero state:
-  sum_s exp(cum_C - cum_s) dt_s x_s B_s^T over the chunk's last segment -> [B, Z, H, P, N]."""
-  return jnp.einsum("bzchp,bzcn->bzhpn", xdt_BxZxCxHxP * to_end_BxZxCxH[..., None], B_BxZxCxN)
-
-
-def _chunk_starts(h0_BxHxPxN, chunk_decay_BxZxH, chunk_states_BxZxHxPxN):
-  """The state entering every chunk, h_z = decay_z h_{z-1} + states_z from h_0 = h0 (a scan
-  over chunks of [B, H, P, N] only). Returns (starts [B, Z, H, P, N], the final state)."""
-  def step(h_BxHxPxN, decay_and_states):
-    decay_BxH, states_BxHxPxN = decay_and_states
-    return decay_BxH[..., None, None] * h_BxHxPxN + states_BxHxPxN, h_BxHxPxN
-
-  h, starts = jax.lax.scan(step, h0_BxHxPxN, (chunk_decay_BxZxH.swapaxes(0, 1),
-                                              chunk_states_BxZxHxPxN.swapaxes(0, 1)))
-  return starts.swapaxes(0, 1), h
-
-
 def _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same_KxCxC, B_KxCxN, C_KxCxN):
   """y_l = sum_{s <= l, same segment} (C_l . B_s) exp(cum_l - cum_s) dt_s x_s for every chunk
   at once: a masked [C, C] attention-like matmul per chunk and head -> [K, H, C, P]."""
