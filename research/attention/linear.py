@@ -9,9 +9,9 @@ place in this form: linear attention honours the qk hook only.
 
 Training uses the chunkwise-parallel form: within a chunk of C tokens a masked [C, C] matmul,
 across chunks the running state (S, z), so nothing of size [batch, length, heads, d, d] is ever
-built; every chunk is computed at once (batched matmuls, a scan of the small state for the states entering
-the chunks), which keeps all cores busy. Decoding runs the same code on the new
-tokens from the cached state (any number of them: prefill is one chunked pass). Packed
+built; every chunk is computed at once (batched matmuls, and a scan of the small state alone
+for the states entering the chunks), which keeps all cores busy. Decoding runs the same code on
+the new tokens from the cached state (any number of them: prefill is one chunked pass). Packed
 documents: the sums restart at each segment start (the intra-chunk mask keeps to the segment;
 the carried state reaches only the tokens of the segment it was summed over). The feature map, the state and the denominator are float32: in
 bf16, elu(x) + 1 cancels to 0 already at x = -8 and the denominator collapses.
@@ -62,8 +62,9 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
 
   All chunks are computed at once (batched matmuls over the chunk axis z): the masked intra-chunk
   part, each chunk's additions to the state (dS_z = sum_s phi(k_s) v_s^T over the chunk's last
-  segment), the states entering the chunks (a scan over chunks of the state alone), and the outputs read
-  from those states. Memory is linear in length: [L, C] scores and one [N, H, H] state per chunk.
+  segment), the states entering the chunks (a scan over chunks of the state alone), and the
+  outputs read from those states. Memory is linear in length: [L, C] scores and one [N, H, H]
+  state per chunk.
   """
   b, length, n, h = q.shape
   phi = FEATURE_MAPS[feature_map]
