@@ -55,13 +55,12 @@ def _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE):
 
 
 def _forward_states(h_BxNxE, chunk, A_NxE):
-  """The chunk token by token; returns h_c and every h_t, [c, b, N, E] (for the backward)."""
+  """The chunk token by token; returns h_c and every h_{t-1}, [c, b, N, E] (for the backward)."""
 
   def step(h, inputs):
     x_t, delta_t, B_t, _, keep_t = inputs
     decay, drive = _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE)
-    h = decay * h + drive
-    return h, h
+    return decay * h + drive, h
 
   return jax.lax.scan(step, h_BxNxE, tuple(t.swapaxes(0, 1) for t in chunk))
 
@@ -105,13 +104,13 @@ def _sequential_chunk_bwd(residuals, cotangents):
   h0, chunk, A_NxE = residuals
   dh, dy_BxCxE = cotangents
   x, delta, B, C, keep = chunk
-  _, states = _forward_states(h0, chunk, A_NxE)
-  previous = jnp.concatenate([h0[None], states[:-1]])
+  _, previous = _forward_states(h0, chunk, A_NxE)
 
   def step(carry, inputs):
     g, dA = carry
-    x_t, delta_t, B_t, C_t, keep_t, dy_t, h_t, h_prev = inputs
-    decay, _ = _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE)
+    x_t, delta_t, B_t, C_t, keep_t, dy_t, h_prev = inputs
+    decay, drive = _decay_and_drive(x_t, delta_t, B_t, keep_t, A_NxE)
+    h_t = decay * h_prev + drive
     g = g + C_t[..., None] * dy_t[:, None, :]
     d_exponent = g * h_prev * decay  # d(delta_t A)
     d_scaled_x = jnp.einsum("bne,bn->be", g, B_t)  # d(delta_t x_t)
@@ -124,7 +123,7 @@ def _sequential_chunk_bwd(residuals, cotangents):
 
   time_major = tuple(t.swapaxes(0, 1) for t in (x, delta, B, C, keep, dy_BxCxE))
   (dh0, dA), (dx, ddelta, dB, dC) = jax.lax.scan(
-      step, (dh, jnp.zeros_like(A_NxE)), (*time_major, states, previous), reverse=True)
+      step, (dh, jnp.zeros_like(A_NxE)), (*time_major, previous), reverse=True)
   batch_major = tuple(t.swapaxes(0, 1) for t in (dx, ddelta, dB, dC))
   return dh0, (*batch_major, jnp.zeros_like(keep)), dA
 
