@@ -13,8 +13,8 @@ SSMs need more width as the number of pairs grows.
       linear, mamba, retention: 24 runs) it took 20 minutes with --parallel=2 on 2 idle CPU
       cores (target: 25); running mqa / gqa as mha keeps room in that budget for new mixers.
       A smoke test of the sweep, not the replication: at 400 steps no mixer has formed recall
-      (accuracy at or below 1 / pairs, the level of guessing among the example's values; MHA
-      passes it only after ~3,000 steps at 4 pairs), see the README.
+      (accuracy near 1 / pairs, the level of guessing among the example's values; MHA passes
+      it clearly only after ~3,000 steps at 4 pairs), see the README.
   python -m experiments.run --config=configs/mqar.py:full --workdir=runs/mqar   (one GPU)
       widths 64..512 x lengths 64..512 x pairs length / 16 and length / 8.
 """
