@@ -59,6 +59,22 @@ class Mixer(nnx.Module):
     return nn.tree_bytes(jax.eval_shape(lambda: self.init_cache(batch_size, context_length)))
 
 
+def states_entering_chunks(h0, decays, added, axis):
+  """h_z = decays_z * h_{z-1} + added_z over the chunks z along `axis` of `added`, from h0 (the
+  state entering chunk 0); `decays` has added's rank, with its chunk axis at `axis` too, and
+  broadcasts against it. A scan of the small state alone, for chunked forms that compute every
+  chunk at once. Returns (the state entering each chunk, shaped like `added`; the state after
+  the last chunk)."""
+
+  def step(h, decay_and_added):
+    decay, add = decay_and_added
+    return decay * h + add, h
+
+  final, entering = jax.lax.scan(step, h0, (jnp.moveaxis(decays, axis, 0),
+                                            jnp.moveaxis(added, axis, 0)))
+  return jnp.moveaxis(entering, 0, axis), final
+
+
 def head_projection(d_model, heads, head_dim, heads_axis, *, rngs, dtype,
                     init=nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))):
   """x [B, L, D] -> [B, L, heads, H], the kernel's axes (embed, heads_axis, head_dim).

@@ -35,22 +35,6 @@ FEATURE_MAPS = {"elu": elu_plus_one, "relu": jax.nn.relu}
 EPSILON = 1e-6
 
 
-def _states_entering_chunks(state, keeps_BxNxZ, added):
-  """The state entering each chunk z, from `state` [B, N, ...] entering chunk 0: S_in[0] = state,
-  S_in[z + 1] = keeps[z] S_in[z] + dS[z] (a scan over chunks of the small state alone).
-  added: dS [B, N, Z, ...]. Returns (S_in [B, N, Z, ...], the state after the last chunk)."""
-  keeps = keeps_BxNxZ.astype(added.dtype)
-  keeps = keeps.reshape(keeps.shape + (1,) * (added.ndim - 3))
-
-  def step(s, keep_and_add):
-    keep, add = keep_and_add
-    return keep * s + add, s
-
-  final, entering = jax.lax.scan(step, state, (jnp.moveaxis(keeps, 2, 0),
-                                               jnp.moveaxis(added, 2, 0)))
-  return jnp.moveaxis(entering, 0, 2), final
-
-
 def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64,
                              transform_q=None, transform_k=None, segments=None):
   """Causal linear attention of q, k, v [B, L, N, H] from `state` = (S [B,N,H,H], z [B,N,H]).
@@ -87,11 +71,11 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
   q_c, k_c, v_c = to_chunks(q), to_chunks(k), to_chunks(v)
   q_rot_c, k_rot_c = (to_chunks(q_rot), to_chunks(k_rot)) if rotated else (q_c, k_c)
 
-  keeps = keeps[:, None]  # [B, 1, Z]: the same for every head
-  state_in, state_out = _states_entering_chunks(
-      state[0], keeps, jnp.einsum("bnzsh,bnzse->bnzhe", k_rot_c * adds, v_c))
-  normalizer_in, normalizer_out = _states_entering_chunks(state[1], keeps,
-                                                          (k_c * adds).sum(3))
+  keeps = keeps[:, None, :, None].astype(jnp.float32)  # [B, 1, Z, 1]: the same for every head
+  state_in, state_out = base.states_entering_chunks(
+      state[0], keeps[..., None], jnp.einsum("bnzsh,bnzse->bnzhe", k_rot_c * adds, v_c), axis=2)
+  normalizer_in, normalizer_out = base.states_entering_chunks(state[1], keeps,
+                                                              (k_c * adds).sum(3), axis=2)
 
   scores = jnp.where(same, jnp.einsum("bnzch,bnzsh->bnzcs", q_rot_c, k_rot_c), 0.0)
   numerator = (jnp.einsum("bnzcs,bnzsh->bnzch", scores, v_c)

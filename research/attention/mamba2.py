@@ -62,18 +62,6 @@ def _chunk_states(xdt_KxHxCxP, to_end_KxHxC, B_KxCxN):
   return jnp.einsum("khcp,kcn->khpn", xdt_KxHxCxP * to_end_KxHxC[..., None], B_KxCxN)
 
 
-def _chunk_starts(h0_BxHxPxN, chunk_decay_BxZxH, chunk_states_BxZxHxPxN):
-  """The state entering every chunk: h_z = decay_z h_{z-1} + states_z from h0, a scan over
-  chunks of [B, H, P, N] only. Returns (starts [B, Z, H, P, N], the state after the last)."""
-  def step(h_BxHxPxN, decay_and_states):
-    decay_BxH, states_BxHxPxN = decay_and_states
-    return decay_BxH[..., None, None] * h_BxHxPxN + states_BxHxPxN, h_BxHxPxN
-
-  h, starts = jax.lax.scan(step, h0_BxHxPxN, (chunk_decay_BxZxH.swapaxes(0, 1),
-                                              chunk_states_BxZxHxPxN.swapaxes(0, 1)))
-  return starts.swapaxes(0, 1), h
-
-
 def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
   """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t from h0, in chunks of chunk_size.
 
@@ -114,7 +102,8 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
   chunk_decay_KxH = jnp.exp(cum_KxHxC[..., -1]) * keeps_state[:, None]
   states_KxHxPxN = _chunk_states(xdt_KxHxCxP, to_end_KxHxC, B_KxCxN)
   per_row = lambda t: t.reshape(b, num_chunks, *t.shape[1:])
-  starts, h = _chunk_starts(h0, per_row(chunk_decay_KxH), per_row(states_KxHxPxN))
+  starts, h = base.states_entering_chunks(h0, per_row(chunk_decay_KxH)[..., None, None],
+                                          per_row(states_KxHxPxN), axis=1)
   from_state_KxHxCxP = jnp.einsum("kln,khpn->khlp", C_KxCxN * sees_state[..., None],
                                   starts.reshape(states_KxHxPxN.shape))
   y_KxHxCxP += jnp.exp(cum_KxHxC)[..., None] * from_state_KxHxCxP
