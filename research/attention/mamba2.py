@@ -172,11 +172,9 @@ class Mamba2(base.Mixer):
 
   def _mix(self, u_BxTxD, cache, segments_BxT=None):
     b, t, d = u_BxTxD.shape
-    # Per-token work runs on [b t, ...] (all rows' tokens on one axis) and parameters are
-    # broadcast to the full shape, for XLA:CPU: the weight gradient of a [b, t, d] einsum first
-    # transposes its cotangent (fusing the whole backward chain into that transpose, about 2x
-    # the time of the 2-D form), and it is slow to sum over an axis behind a batch axis of size
-    # 1, which implicit broadcasting keeps.
+    # Per-token work runs on [b t, ...] (all rows' tokens on one axis, as nn.dense does for the
+    # projections) and parameters are broadcast to the full shape, for XLA:CPU: it is slow to
+    # sum over an axis behind a batch axis of size 1, which implicit broadcasting keeps.
     u_TxD = u_BxTxD.reshape(b * t, d)
     streams, windows = {}, {}
     for name, proj in (("x", self.x_proj), ("B", self.B_proj), ("C", self.C_proj)):
