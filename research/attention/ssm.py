@@ -106,6 +106,13 @@ def _sequential_chunk_bwd(residuals, cotangents):
   x, delta, B, C, keep = chunk
   _, previous = _forward_states(h0, chunk, A_NxE)
 
+  # Every per-token contraction is a matrix-vector product over N or E ("bne,bn->be",
+  # "bne,be->bn"; the sum over N against ones, not "bne,ne->be", which XLA:CPU runs as a dot
+  # batched over E with transposed copies of both operands), and dA accumulates per batch row
+  # elementwise (summed over the batch once per chunk): 0.45 -> 0.39 s for the scan's fwd+bwd
+  # at 4096 (d_inner 1024, N 16) on one core.
+  ones_BxN = jnp.ones_like(B[:, 0])
+
   def step(carry, inputs):
     g, dA = carry
     x_t, delta_t, B_t, C_t, keep_t, dy_t, h_prev = inputs
@@ -115,17 +122,16 @@ def _sequential_chunk_bwd(residuals, cotangents):
     d_exponent = g * h_prev * decay  # d(delta_t A)
     d_scaled_x = jnp.einsum("bne,bn->be", g, B_t)  # d(delta_t x_t)
     grads = (d_scaled_x * delta_t,
-             jnp.einsum("bne,ne->be", d_exponent, A_NxE) + d_scaled_x * x_t,
+             jnp.einsum("bne,bn->be", d_exponent * A_NxE, ones_BxN) + d_scaled_x * x_t,
              jnp.einsum("bne,be->bn", g, delta_t * x_t),
              jnp.einsum("bne,be->bn", h_t, dy_t))
-    dA = dA + jnp.einsum("bne,be->ne", d_exponent, delta_t)
-    return (g * decay, dA), grads
+    return (g * decay, dA + d_exponent * delta_t[:, None, :]), grads
 
   time_major = tuple(t.swapaxes(0, 1) for t in (x, delta, B, C, keep, dy_BxCxE))
   (dh0, dA), (dx, ddelta, dB, dC) = jax.lax.scan(
-      step, (dh, jnp.zeros_like(A_NxE)), (*time_major, previous), reverse=True)
+      step, (dh, jnp.zeros_like(dh)), (*time_major, previous), reverse=True)
   batch_major = tuple(t.swapaxes(0, 1) for t in (dx, ddelta, dB, dC))
-  return dh0, (*batch_major, jnp.zeros_like(keep)), dA
+  return dh0, (*batch_major, jnp.zeros_like(keep)), dA.sum(0)
 
 
 _sequential_chunk_nxe.defvjp(_sequential_chunk_fwd, _sequential_chunk_bwd)
