@@ -39,17 +39,44 @@ def token_major_einsum(equation, x, kernel, **kwargs):
   """
   inputs, output = equation.split("->")
   lhs, rhs = inputs.split(",")
+  if x.ndim != len(lhs) or kernel.ndim != len(rhs):
+    return jnp.einsum(equation, x, kernel, **kwargs)
+  lhs, rhs, x, kernel = _merge_contracted_axes(lhs, rhs, output, x, kernel)
   shared = 0
   while (shared < min(len(lhs), len(output)) and lhs[shared] == output[shared]
          and lhs[shared] not in rhs):
     shared += 1
-  if shared < 2 or x.ndim != len(lhs):
-    return jnp.einsum(equation, x, kernel, **kwargs)
-  merged = next(c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in equation)
+  if shared < 2:
+    return jnp.einsum(f"{lhs},{rhs}->{output}", x, kernel, **kwargs)
+  merged = _unused_letter(lhs + rhs + output)
   leading = x.shape[:shared]
   y = jnp.einsum(f"{merged}{lhs[shared:]},{rhs}->{merged}{output[shared:]}",
                  x.reshape((-1,) + x.shape[shared:]), kernel, **kwargs)
   return y.reshape(leading + y.shape[1:])
+
+
+def _unused_letter(subscripts):
+  return next(c for c in "ZYXWVUTSRQPONMLKJIHGFEDCBA" if c not in subscripts)
+
+
+def _merge_contracted_axes(lhs, rhs, output, x, kernel):
+  """Contracted axes that are adjacent and in the same order in both operands ("NH" in
+  "BLNH,NHD->BLD") merged into one. jnp.einsum hands dot_general several contracted axes in an
+  order of its own ((H, N) here), and XLA:CPU then copies both operands transposed to that
+  order, the kernel at every call (a decode step) and the activation at every layer."""
+  contracted = "".join(c for c in lhs if c in rhs and c not in output)
+  if len(contracted) < 2 or contracted not in lhs or contracted not in rhs:
+    return lhs, rhs, x, kernel
+  merged = _unused_letter(lhs + rhs + output)
+
+  def merge(subscripts, array):
+    start = subscripts.index(contracted)
+    shape = array.shape
+    return (subscripts.replace(contracted, merged),
+            array.reshape(shape[:start] + (-1,) + shape[start + len(contracted):]))
+
+  (lhs, x), (rhs, kernel) = merge(lhs, x), merge(rhs, kernel)
+  return lhs, rhs, x, kernel
 
 
 def dense(einsum, shape, axes, *, rngs, dtype, bias_shape=None, bias_axes=None,

@@ -8,6 +8,7 @@ from flax import nnx
 
 import research
 from research import attention
+from research import nn
 from tests.conftest import tiny_model_config
 
 
@@ -206,3 +207,17 @@ def test_decoding_past_the_cache_gives_nan_not_wrong_logits():
     assert bool(jnp.isfinite(logits).all())
   logits, _ = decode(model, tokens, cache)
   assert bool(jnp.isnan(logits).all())
+
+
+@pytest.mark.parametrize("equation, x_shape, kernel_shape", [
+    ("BLNH,NHD->BLD", (2, 3, 4, 5), (4, 5, 6)),    # contracted heads and head_dim merged
+    ("BLD,DNH->BLNH", (2, 3, 6), (6, 4, 5)),        # one contracted axis, batch and length merged
+    ("BLHN,NHD->BLD", (2, 3, 5, 4), (4, 5, 6)),    # contracted axes in different orders: as is
+    ("BLNH,NH->BLN", (2, 3, 4, 5), (4, 5)),         # a kept axis also in the kernel
+    ("BD,DF->BF", (3, 6), (6, 7)),                  # nothing to merge
+])
+def test_token_major_einsum_equals_einsum(equation, x_shape, kernel_shape):
+  x = jax.random.normal(jax.random.key(0), x_shape)
+  kernel = jax.random.normal(jax.random.key(1), kernel_shape)
+  np.testing.assert_allclose(nn.token_major_einsum(equation, x, kernel),
+                             jnp.einsum(equation, x, kernel), rtol=1e-5, atol=1e-5)

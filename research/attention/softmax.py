@@ -95,7 +95,11 @@ def cached_attention(q_BxTxNxH, parts, scale):
   batch axis (two would be merged by a reshape that XLA fuses into the cache write, copying
   the cache for each reader), k the left operand with the logits keys first, [B K, S, G, T],
   and v the right operand contracted over S (asked for [.., T, S] logits, XLA swaps the
-  operands and copies all of k transposed to [.., H, S] at every decode step, and v as well)."""
+  operands and copies all of k transposed to [.., H, S] at every decode step, and v as well).
+  The softmax then runs over the last axis, [B K, G, T, S] (a free relabelling when G T = 1: one
+  query of an MHA decode step), where XLA:CPU reduces at memory speed; over the keys axis of
+  [B K, S, G, T] its max and sum took ~0.35 ms each at 4096 keys and 8 heads, a third of the
+  step. The scale multiplies q, not the logits (a copy of them at every step)."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads = parts[0][0].shape[0] // b
   group = n // kv_heads
@@ -110,17 +114,17 @@ def cached_attention(q_BxTxNxH, parts, scale):
 
   logits = []
   for k_XxSxH, _, bias, mask in parts:
-    logits_XxSxGxT = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH,
-                                preferred_element_type=jnp.float32) * scale
+    logits_XxSxGxT = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH * scale,
+                                preferred_element_type=jnp.float32)
     if bias is not None:
       logits_XxSxGxT = logits_XxSxGxT + keys_first(bias.astype(q_BxTxNxH.dtype))
     logits.append(jnp.where(keys_first(mask), logits_XxSxGxT, _LARGE_NEGATIVE))
-  probs_XxSxGxT = jax.nn.softmax(jnp.concatenate(logits, axis=1), axis=1)
+  probs_XxGxTxS = jax.nn.softmax(jnp.moveaxis(jnp.concatenate(logits, axis=1), 1, -1), axis=-1)
   splits = list(itertools.accumulate(k.shape[1] for k, _, _, _ in parts[:-1]))
   out_XxGxTxH = sum(
-      jnp.einsum("XSGT,XSH->XGTH", p.astype(v_XxSxH.dtype), v_XxSxH,
+      jnp.einsum("XGTS,XSH->XGTH", p.astype(v_XxSxH.dtype), v_XxSxH,
                  preferred_element_type=jnp.float32)
-      for p, (_, v_XxSxH, _, _) in zip(jnp.split(probs_XxSxGxT, splits, axis=1), parts))
+      for p, (_, v_XxSxH, _, _) in zip(jnp.split(probs_XxGxTxS, splits, axis=-1), parts))
   out_BxTxKxGxH = out_XxGxTxH.reshape(b, kv_heads, group, t, h).transpose(0, 3, 1, 2, 4)
   return out_BxTxKxGxH.reshape(b, t, n, h).astype(q_BxTxNxH.dtype)
 
