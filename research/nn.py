@@ -31,11 +31,13 @@ def param(value, axes, *, weight_decay: bool) -> nnx.Param:
 
 def token_major_einsum(equation, x, kernel, **kwargs):
   """jnp.einsum of an activation x and a kernel, with the leading axes that x and the output
-  share and the kernel lacks (batch and length: "BLD,DF->BLF") merged into one first.
+  share and the kernel lacks (batch and length: "BLD,DF->BLF") merged into one first, and the
+  contracted axes too where they are adjacent in both (_merge_contracted_axes).
 
-  Same result; on XLA's CPU backend the backward of a [B, L, ...] einsum with a kept batch axis
-  transposes the cotangent (and fuses its producers into that copy) for the weight gradient,
-  while the [B * L, ...] form reads it in place: about 2x on a dense layer's fwd+bwd.
+  The same result up to the order of summation; on XLA's CPU backend the backward of a
+  [B, L, ...] einsum with a kept batch axis transposes the cotangent (and fuses its producers
+  into that copy) for the weight gradient, while the [B * L, ...] form reads it in place: about
+  2x on a dense layer's fwd+bwd.
   """
   inputs, output = equation.split("->")
   lhs, rhs = inputs.split(",")
