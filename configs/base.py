@@ -30,7 +30,8 @@ def get_config():
   m.feed_forward_pattern = ()  # per layer, tiled to num_layers: Jamba's ("mlp", "moe")
   m.mlp_ratio = 4  # hidden width / d_model of the MLP and of each expert; 0 drops the feed-forward
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
-  m.attention_backend = "xla"  # softmax attention: xla | blockwise | cudnn | auto (by length)
+  # softmax attention: auto (by length and device) | xla | blockwise | cudnn
+  m.attention_backend = "auto"
   m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
   m.randomize_max_length = 0  # > 0: randomized positions in [0, M) in training (arXiv:2305.16843)
   # Each registered mixer, position scheme and feed-forward declares its own hyperparameters;

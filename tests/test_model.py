@@ -144,7 +144,8 @@ def test_auto_backend_picks_by_length_and_device():
   assert auto_backend(AUTO_BLOCKWISE_FROM, mha, jnp.float32, "cpu") == "blockwise"
   assert auto_backend(64, mha, jnp.bfloat16, "gpu") == "cudnn"
   assert auto_backend(64, mha, jnp.float32, "gpu") == "xla"  # cuDNN needs half precision
-  assert auto_backend(AUTO_BLOCKWISE_FROM, fox, jnp.bfloat16, "gpu") == "blockwise"  # no cudnn
+  assert auto_backend(AUTO_BLOCKWISE_FROM, fox, jnp.bfloat16, "gpu") == "xla"  # no cudnn
+  assert auto_backend(AUTO_BLOCKWISE_FROM, mha, jnp.float32, "tpu") == "xla"  # crossover: CPU
   # Long enough for blockwise, not a multiple of its block: the same logits as xla.
   length, config = AUTO_BLOCKWISE_FROM + 3, dict(d_model=8, num_heads=2, num_layers=1)
   tokens = jax.random.randint(jax.random.key(0), (1, length), 0, 32)

@@ -12,11 +12,12 @@ One score path (model.attention_backend):
   blockwise  research.attention.blockwise: exact, online softmax, O(length) memory; the same bias
              function evaluated per tile, forward and backward (gradients to its parameters too)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU only
-  auto       the faster exact path for each call's length (`auto_backend`): cudnn on a GPU with
-             bfloat16 / float16 compute where the mixer allows it; otherwise xla below
-             AUTO_BLOCKWISE_FROM (1024) tokens and blockwise from there on, the crossover of the
-             two measured fwd+bwd on a 2-core CPU. A prefill into an empty cache takes the same
-             rule, so a long prompt runs blockwise.
+  auto       (the default) the faster exact path for each call's length and device
+             (`auto_backend`): cudnn on a GPU with bfloat16 / float16 compute where the mixer
+             allows it; on a CPU xla below AUTO_BLOCKWISE_FROM (1024) tokens and blockwise from
+             there on, the crossover of the two measured fwd+bwd on a 2-core CPU; xla otherwise
+             (the blockwise crossover has not been measured on a GPU or TPU). A prefill into an
+             empty cache takes the same rule, so a long prompt on a CPU runs blockwise.
 Decoding attends the new queries to the cache (`cached_attention`: the same float32 logits,
 bias, mask and softmax as the xla path), with the bias of the new positions against the cached
 ones, for any number of new tokens in one pass (prefill). The cache keeps keys and values with
@@ -74,13 +75,16 @@ def to_cache_layout(name, x_BxTx___):
 
 def auto_backend(length, backends, compute_dtype, platform=None):
   """The backend that `auto` runs for a sequence of `length` tokens: cudnn where it may run
-  (a GPU, half-precision compute, among the mixer's `backends`), else xla for short sequences
-  and blockwise from AUTO_BLOCKWISE_FROM tokens on, where skipping the masked half of the
-  tiles and never writing the [length, length] scores outweighs the loop's overheads."""
+  (a GPU, half-precision compute, among the mixer's `backends`); on a CPU xla for short
+  sequences and blockwise from AUTO_BLOCKWISE_FROM tokens on, where skipping the masked half of
+  the tiles and never writing the [length, length] scores outweighs the loop's overheads; xla
+  on other devices (set blockwise there explicitly for O(length) memory)."""
   platform = platform or jax.default_backend()
   if ("cudnn" in backends and platform == "gpu"
       and jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)):
     return "cudnn"
+  if platform != "cpu":
+    return "xla"
   return "blockwise" if length >= AUTO_BLOCKWISE_FROM else "xla"
 
 
