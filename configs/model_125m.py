@@ -8,7 +8,8 @@ cuDNN attention, 16 x 2048 tokens per step on the embedded corpus.
       60 steps, metrics every 20: the mfu of metrics.jsonl's last line (compilation excluded).
       For an accelerator (make accelerator-check runs it).
   python -m experiments.train --config=configs/model_125m.py:smoke --workdir=/tmp/smoke
-      the same code path at 2 layers, d_model 128, 256 context, float32, xla: a CPU dry run.
+      the same code path at 2 layers, d_model 128, 256 context, float32, the default backend
+      (auto: xla at this length): a CPU dry run.
 """
 
 from configs import base

@@ -6,7 +6,9 @@ A workdir's identity is the set of fields that change training. Not part of it:
     (model.rope.scaling, its scaling_factor and original_length; the same in model.xpos and
     model.prope), which research.extrapolation sets per evaluation length;
   - how the run is carried out: logging, validation and checkpoint cadence, TensorBoard, the
-    mesh, the processes and where prepared data lives.
+    mesh, the processes, where prepared data lives, and the softmax backend
+    (model.attention_backend: every backend computes the same attention, so a run trained with
+    xla may resume with auto, or move to cudnn on a GPU).
 A field that a saved config predates counts as unchanged while it has its default
 (configs/base.py): the default reproduces what the code did before the field existed.
 """
@@ -29,7 +31,7 @@ EVALUATION_FIELDS = ("eval",) + ROTARY_SCALING_FIELDS
 EXECUTION_FIELDS = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                     "train.keep_checkpoints_at",
                     "train.eval_every", "train.eval_batches", "train.tensorboard", "mesh",
-                    "distributed", "data.dir")
+                    "distributed", "data.dir", "model.attention_backend")
 
 
 def flatten(config: ml_collections.ConfigDict | Mapping) -> dict[str, Any]:

@@ -60,9 +60,11 @@ def test_evaluate_a_trained_run_at_new_lengths_and_scalings_then_plot_it(trained
 
 def test_resume_ignores_evaluation_fields_and_new_fields_at_their_default(trained_run, tmp_path,
                                                                          capsys):
+  """Also the softmax backend: a run trained with xla resumes under the default auto."""
   config, workdir = _copy(trained_run, tmp_path)
   saved = json.load(open(os.path.join(workdir, "config.json")))
   del saved["train"]["end_learning_rate_fraction"]  # as if the run predated the field
+  saved["model"]["attention_backend"] = "xla"  # every backend computes the same attention
   json.dump(saved, open(os.path.join(workdir, "config.json"), "w"))
   refused = config.copy_and_resolve_references()
   refused.train.update(dict(end_learning_rate_fraction=0.5, seed=1))
