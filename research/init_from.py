@@ -25,11 +25,11 @@ from research import model as model_lib
 from research import sharding
 from research.attention import convert
 
-# Model fields that may differ between the source and this run: the key/value heads, and what
-# changes how the same parameters are applied.
+# Model fields that may differ between the source and this run, besides those that do not
+# change training (research.config_fields: the rotary context extensions, the softmax backend):
+# the key/value heads, and the compute dtype the same parameters are applied in.
 CONVERTIBLE_FIELDS = ("model.attention", "model.num_kv_heads", "model.layer_pattern",
-                      "model.attention_backend", "model.compute_dtype") + (
-                          config_fields.ROTARY_SCALING_FIELDS)
+                      "model.compute_dtype")
 
 
 def source_directory(config, workdir: str) -> str:
@@ -69,7 +69,8 @@ def check(config, workdir: str):
   differences = [f"model.{name}: {theirs.get(name)!r} (source) vs {ours.get(name)!r}"
                  for name in sorted(ours.keys() | theirs.keys())
                  if ours.get(name) != theirs.get(name)
-                 and f"model.{name}" not in CONVERTIBLE_FIELDS]
+                 and f"model.{name}" not in CONVERTIBLE_FIELDS
+                 and config_fields.changes_training(f"model.{name}")]
   source_types = model_lib.layer_types(source_config.model)
   our_types = model_lib.layer_types(config.model)
   differences += [f"layer {i}: {theirs_type!r} (source) vs {our_type!r}, another mixer's code"
