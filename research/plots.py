@@ -107,6 +107,13 @@ def extrapolation(rows: list[dict], metric: str,
   return fig
 
 
+def _mean_of_scored(values: np.ndarray, axis=None):
+  """Mean over the non-NaN entries, NaN where there are none (positions no example scores, as in
+  MQAR), without np.nanmean's warning for them."""
+  counts = np.sum(~np.isnan(values), axis=axis)
+  return np.where(counts > 0, np.nansum(values, axis=axis) / np.maximum(counts, 1), np.nan)
+
+
 def loss_by_position(rows: list[dict], train_length: int, bins: int = 32,
                      min_windows: int = 8) -> matplotlib.figure.Figure | None:
   """Per variant, the mean loss in `bins` position bins of non-overlapping windows: the longest
@@ -126,11 +133,11 @@ def loss_by_position(rows: list[dict], train_length: int, bins: int = 32,
   fig, ax = plt.subplots(figsize=(8, 5.5), layout="constrained")
   colors = _colors(curves)
   for variant, losses in sorted(curves.items()):
-    mean = np.nanmean(np.stack(losses), axis=0)
+    mean = _mean_of_scored(np.stack(losses), axis=0)
     edges = np.linspace(0, len(mean), bins + 1).astype(int)
     centers = (edges[:-1] + edges[1:]) / 2
-    ax.plot(centers, [np.nanmean(mean[a:b]) for a, b in zip(edges[:-1], edges[1:])], label=variant,
-            color=colors[variant])
+    ax.plot(centers, [_mean_of_scored(mean[a:b]) for a, b in zip(edges[:-1], edges[1:])],
+            label=variant, color=colors[variant])
   ax.axvline(train_length, color="gray", linestyle="--", linewidth=1)
   ax.set_title(f"Loss by token position, non-overlapping windows of {longest} tokens")
   ax.set_xlabel("token position in the window; dashed: training length")

@@ -2,7 +2,9 @@
 colour per variant across its RoPE scalings, and titles that say what they show."""
 
 import re
+import warnings
 
+import numpy as np
 import pytest
 
 from research import plots
@@ -57,6 +59,18 @@ def test_the_scalings_of_a_variant_share_its_colour_in_distinct_line_styles(extr
 def test_the_loss_by_position_title_names_the_length_and_mode():
   figure = plots.loss_by_position(_rows(), train_length=32)
   assert "non-overlapping windows of 256 tokens" in figure.axes[0].get_title()
+  plots.plt.close(figure)
+
+
+def test_loss_by_position_skips_unscored_positions_without_warnings():
+  """Task runs (MQAR) score a few positions: bins where no example is scored stay empty."""
+  rows = [dict(row, loss_by_position=[None] * (row["eval_length"] // 2)
+               + [2.0] * (row["eval_length"] // 2)) for row in _rows()]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    figure = plots.loss_by_position(rows, train_length=32, bins=4)
+  curve = figure.axes[0].get_lines()[0].get_ydata()
+  assert np.isnan(curve[:2]).all() and list(curve[2:]) == [2.0, 2.0]
   plots.plt.close(figure)
 
 
