@@ -85,13 +85,13 @@ class Settings:
 
 def softmax_variants() -> list[str]:
   """The registered mixers that have attention maps."""
-  return [name for name, cls in attention.REGISTRY.items() if hasattr(cls, "attention_weights")]
+  return [name for name, cls in attention.REGISTRY.items() if cls.has_attention_weights]
 
 
 def _map_layers(config) -> list[int]:
   """Indices of the layers whose mixer has attention maps."""
   return [i for i, name in enumerate(model_lib.layer_types(config.model))
-          if hasattr(attention.REGISTRY.lookup(name), "attention_weights")]
+          if attention.REGISTRY.lookup(name).has_attention_weights]
 
 
 def _multi_head_variants() -> list[str]:
@@ -609,7 +609,8 @@ def uptraining(run: Checkpoints, name: str, out: str, settings: Settings) -> lis
     source = config_fields.load_saved(init_from.source_directory(config, run.directory))
     source_steps = source.train.num_steps
   model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
-  kv_heads = {getattr(block.mixer, "num_kv_heads", None) for block in model.blocks} - {None}
+  kv_heads = {attention.REGISTRY.lookup(name).kv_heads(config.model)
+              for name in model_lib.layer_types(config.model)} - {None}
   evaluation = rows[-1]
   row = {"run": name, "attention": config.model.attention,
          "kv_heads": ",".join(map(str, sorted(kv_heads))), "stage": _stage(config),

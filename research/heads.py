@@ -125,12 +125,7 @@ def icl_score(loss_by_position: np.ndarray) -> dict:
 def output_projections(model) -> list:
   """Per layer, its mixer's output projection if it mixes heads (a kernel [N, H, D] whose first
   logical axis is "heads": softmax attention, linear attention, retention), else None."""
-  found = []
-  for block in model.blocks:
-    out = getattr(block.mixer, "out", None)
-    axes = None if out is None else out.kernel.get_metadata().get("logical_axes")
-    found.append(out if axes and axes[0] == "heads" else None)
-  return found
+  return [block.mixer.head_output_projection() for block in model.blocks]
 
 
 def mask_heads(model, mask_LxN):
@@ -145,8 +140,7 @@ def mask_heads(model, mask_LxN):
 def kv_group_sizes(model) -> list[int]:
   """Per layer, the query heads that share each key/value head (N / K: grouped-query softmax
   attention), 1 for every other layer."""
-  return [block.mixer.num_heads // getattr(block.mixer, "num_kv_heads", block.mixer.num_heads)
-          if hasattr(block.mixer, "num_heads") else 1 for block in model.blocks]
+  return [block.mixer.kv_group_size() for block in model.blocks]
 
 
 def normalise_per_layer(importance_LxN: np.ndarray) -> np.ndarray:

@@ -41,7 +41,7 @@ def _kv_heads(model_config) -> list[int | None]:
   heads = []
   for name in model_lib.layer_types(model_config):
     cls = attention.REGISTRY.lookup(name)
-    heads.append(cls.kv_heads(model_config) if hasattr(cls, "kv_heads") else None)
+    heads.append(cls.kv_heads(model_config))
   return heads
 
 

@@ -34,7 +34,6 @@ from research import nn
 from research.attention import masks
 from research import positions as positions_lib
 from research import sharding
-from research.feed_forward import moe
 
 
 class IncompatibleError(ValueError):
@@ -69,6 +68,19 @@ def compatible_positions(mixer_cls):
   return [name for name, cls in positions_lib.REGISTRY.items() if _honours(mixer_cls, cls)]
 
 
+def position_geometries(model_config):
+  """Per layer, the geometry its mixer hands the position scheme, or None for a layer that runs
+  without the scheme (a hybrid's recurrent layer that cannot honour it)."""
+  scheme = positions_lib.REGISTRY.lookup(model_config.position)
+  geometries = []
+  for layer, name in enumerate(layer_types(model_config)):
+    mixer_cls = attention.REGISTRY.lookup(name)
+    geometries.append(mixer_cls.position_geometry(attention.REGISTRY.settings(name, model_config),
+                                                  model_config, layer)
+                      if _honours(mixer_cls, scheme) else None)
+  return geometries
+
+
 def validate(model_config):
   """Raise ValueError naming what is wrong and what is valid; builds nothing."""
   types = layer_types(model_config)
@@ -98,7 +110,7 @@ def validate(model_config):
           f"the {' and '.join(missing)} hook, which {name!r} cannot honour); compatible "
           f"positions: {', '.join(compatible_positions(mixer_cls))}")
     mixer_cls.validate(attention.REGISTRY.settings(name, model_config), model_config)
-  positions_lib.validate(model_config)
+  positions_lib.validate(model_config, [g for g in position_geometries(model_config) if g])
 
 
 def validate_lengths(model_config, train_length, eval_lengths):
@@ -172,22 +184,32 @@ class LanguageModel(nnx.Module):
     self.dtype = dtype
     self.randomize_max_length = int(model_config.randomize_max_length)
     scheme = positions_lib.REGISTRY.lookup(model_config.position)
-    # A scheme shared across layers is built once (and owns the embedding term); otherwise each
-    # attention layer builds its own.
-    self.position = (positions_lib.build(model_config, rngs=rngs)
-                     if scheme.shared_across_layers else None)
+    geometries = position_geometries(model_config)
+    # A scheme shared across layers is built once per geometry (the first owns the embedding
+    # term); otherwise each attention layer builds its own, for its mixer's geometry.
+    shared = {}
+    if scheme.shared_across_layers:
+      first = next((g for g in geometries if g), positions_lib.Geometry.of_model(model_config))
+      shared[first.shared()] = positions_lib.build(model_config, first.shared(), rngs=rngs)
+    self.position = next(iter(shared.values()), None)
     self.embed = nn.embed(model_config.vocab_size, d, ("vocab", "embed"), rngs=rngs, dtype=dtype,
                           stddev=1.0)
     blocks = []
-    for name, feed_forward_name in zip(layer_types(model_config),
-                                       feed_forward_types(model_config)):
+    for layer, (name, feed_forward_name, geometry) in enumerate(zip(
+        layer_types(model_config), feed_forward_types(model_config), geometries)):
       mixer_cls = attention.REGISTRY.lookup(name)
-      if not _honours(mixer_cls, scheme):  # a hybrid's recurrent layer
-        position = positions_lib.NoPosition(None, model_config, rngs=rngs)
+      if geometry is None:  # a hybrid's recurrent layer
+        position = positions_lib.NoPosition(None, positions_lib.Geometry.of_model(model_config),
+                                            rngs=rngs)
+      elif scheme.shared_across_layers:
+        if geometry.shared() not in shared:
+          shared[geometry.shared()] = positions_lib.build(model_config, geometry.shared(),
+                                                          rngs=rngs)
+        position = shared[geometry.shared()]
       else:
-        position = self.position or positions_lib.build(model_config, rngs=rngs)
+        position = positions_lib.build(model_config, geometry, rngs=rngs)
       mixer = mixer_cls(attention.REGISTRY.settings(name, model_config), model_config, position,
-                        rngs=rngs)
+                        rngs=rngs, layer_index=layer)
       blocks.append(Block(mixer, feed_forward_name, model_config, rngs=rngs))
     self.blocks = nnx.List(blocks)
     self.final_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype)
@@ -239,9 +261,9 @@ class LanguageModel(nnx.Module):
     x = self._embed(tokens_BxL, positions_BxL)
     weights = []
     for block in self.blocks:
-      inspect = getattr(block.mixer, "attention_weights", None)
-      weights.append(None if inspect is None
-                     else inspect(block.mixer_norm(x), positions_BxL, segments_BxL))
+      weights.append(block.mixer.attention_weights(block.mixer_norm(x), positions_BxL,
+                                                   segments_BxL)
+                     if block.mixer.has_attention_weights else None)
       x = block(x, positions_BxL, segments_BxL)
     return weights
 
@@ -310,5 +332,6 @@ def count_params(model, *, embeddings=True):
     return total
   modules = {id(m): m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}.values()
   schemes = sum(_size(m) for m in modules if isinstance(m, positions_lib.PositionScheme))
-  idle = sum(m.idle_params_per_token() for m in modules if isinstance(m, moe.MixtureOfExperts))
+  idle = sum(m.idle_params_per_token() for m in modules
+             if isinstance(m, feed_forward.FeedForward))
   return total - _size(model.embed) - schemes - idle

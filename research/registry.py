@@ -31,6 +31,11 @@ class Registry(dict):
     self._variant_of[name] = variant_of
     return cls
 
+  def unregister(self, name):
+    """Remove entry `name` (a variant registered for a test or a scratch experiment)."""
+    self.lookup(name)
+    del self[name], self._settings_keys[name], self._variant_of[name]
+
   def variant_of(self, name):
     """The entry this one is a head-count variant of, or None."""
     return self._variant_of[name]
@@ -58,6 +63,19 @@ class Registry(dict):
                        f"{', '.join(f'model.{key}.{f}' for f in defaults) or '(none)'}")
     defaults.update(dict(given))
     return defaults
+
+  def test_settings(self):
+    """{settings key: the small settings of the conformance suite} of every entry that declares
+    them (`test_settings`); entries sharing a key share them (the first one's)."""
+    out = {}
+    for name, cls in self.items():
+      if cls.test_settings:
+        unknown = set(cls.test_settings) - set(cls.hyperparameters)
+        if unknown:
+          raise ValueError(f"{self.what} {name!r} declares test_settings {sorted(unknown)} that "
+                           f"are not among its hyperparameters {sorted(cls.hyperparameters)}")
+        out.setdefault(self.settings_key(name), dict(cls.test_settings))
+    return out
 
   def default_settings(self):
     """{settings key: defaults} for every entry with hyperparameters, for configs/base.py."""

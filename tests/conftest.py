@@ -34,19 +34,16 @@ from configs import base  # noqa: E402
 
 
 def tiny_model_config(**overrides):
-  """A model small enough to compile in about a second, with several blocks and chunks.
+  """A model small enough to compile in about a second, with several blocks and chunks: every
+  registered variant's own `test_settings` (research.variants.test_settings).
 
   A dict value updates that variant's settings: tiny_model_config(rope=dict(scaling="yarn")).
   """
+  from research import variants  # noqa: PLC0415 (imported after the JAX set-up above)
   config = base.get_config().model
   config.update(dict(num_layers=1, d_model=32, num_heads=4, num_kv_heads=2, mlp_ratio=2,
                      vocab_size=61))
-  settings = {"softmax": dict(block_size=8), "linear": dict(chunk_size=8),
-              "mamba": dict(chunk_size=8, state_size=4), "retention": dict(chunk_size=8),
-              "mamba2": dict(chunk_size=8, state_size=8, head_dim=16),
-              "gated_deltanet": dict(chunk_size=8), "rwkv6": dict(chunk_size=8, sub_chunk_size=4),
-              "learned": dict(max_length=64), "moe": dict(num_experts=4, top_k=2)}
-  settings.update({key: dict(original_length=16) for key in ("rope", "xpos", "prope")})
+  settings = variants.test_settings()
   for key, values in list(settings.items()) + list(overrides.items()):
     if isinstance(values, dict):
       config[key].update(values)

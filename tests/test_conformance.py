@@ -206,6 +206,20 @@ def test_every_registered_name_is_covered():
 
 
 @pytest.mark.parametrize("name", list(attention.REGISTRY))
+def test_chunked_mixers_run_at_least_three_chunks(name):
+  """Each mixer's own test settings (Mixer.test_settings) give a chunked form (a chunk size,
+  or softmax's blockwise tile) at least three chunks of the test length, so a state is carried
+  from chunk to chunk within one call (and the last chunk is partial)."""
+  mixer_cls = attention.REGISTRY[name]
+  config = tiny_model_config(attention=name)
+  chunk = mixer_cls.chunk_length(attention.REGISTRY.settings(name, config))
+  if chunk is not None:
+    assert -(-LENGTH // chunk) >= 3 and LENGTH % chunk, (
+        f"{name}: test_settings give chunks of {chunk} tokens, {-(-LENGTH // chunk)} for the "
+        f"test length {LENGTH}; declare a chunk of at most {LENGTH // 3} in its test_settings")
+
+
+@pytest.mark.parametrize("name", list(attention.REGISTRY))
 def test_every_mixer_builds_the_train_state(name):
   """The optimizer's weight-decay mask covers the whole model state (an array attribute of a
   module that is not a declared parameter would fail here, not in the first training run)."""

@@ -12,7 +12,7 @@ from flax import nnx
 from research import attention, positions
 from research.attention import fox
 from research.attention import masks, reference
-from research.attention.blockwise import blockwise_attention
+from research.attention import core
 from research.attention.gated_deltanet import (chunked_gated_delta_rule, invert_unit_lower,
                                                l2_normalize)
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
@@ -26,6 +26,15 @@ from tests.conftest import tiny_model_config
 
 def _normal(seed, shape, scale=1.0):
   return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def blockwise_attention(q, k, v, inputs=None, bias_fn=None, params=(), *, block_size,
+                        window=0, sinks=0, segments_BxT=None):
+  """The core's blockwise backend with an additive bias function."""
+  return core.attend(q, k, v, inputs=inputs, score_params=params, backend="blockwise",
+                     score_mod=None if bias_fn is None else core.ScoreMod(bias=bias_fn),
+                     block_size=block_size, mask=core.MaskSpec(window=window, sinks=sinks),
+                     segments_BxT=segments_BxT)
 
 
 def _bias_function(name, heads):
@@ -328,24 +337,103 @@ def test_state_passed_in_belongs_to_the_first_document_only(mixer):
 
 @pytest.mark.parametrize("block,window,sinks", [(4, 5, 0), (4, 5, 2), (8, 12, 9), (4, 16, 1)])
 def test_blockwise_visits_exactly_the_tiles_that_hold_a_visible_key(block, window, sinks):
-  """The tile ranges of masks.key_blocks (forward: key blocks per query block) and
-  masks.last_query_block (backward: query blocks per key block) are exactly the (query block,
-  key block) tiles with at least one visible pair: none is missed, none computed in vain."""
+  """The schedule of MaskSpec (forward: key blocks per query block; backward: query blocks per
+  key block) is exactly the (query block, key block) tiles with at least one visible pair: none
+  is missed, none computed in vain."""
   length = 64
   num_blocks = length // block
   index = np.arange(length)
-  element = np.asarray(masks.visible(index, index, window, sinks))
+  spec = core.MaskSpec(window=window, sinks=sinks)
+  element = np.asarray(spec.visible(index, index))
   needed = {(i, j) for i in range(num_blocks) for j in range(num_blocks)
             if element[i * block:(i + 1) * block, j * block:(j + 1) * block].any()}
-  forward = set()
-  for i in range(num_blocks):
-    sink_blocks, first = (int(x) for x in masks.key_blocks(i, block, window, sinks))
-    forward |= {(i, j) for j in [*range(sink_blocks), *range(first, i + 1)]}
-  backward = {(i, j) for j in range(num_blocks)
-              for i in range(j, int(masks.last_query_block(j, block, window, sinks,
-                                                           num_blocks)) + 1)}
+  (key_counts, key_table), (query_counts, query_table) = spec.schedule(num_blocks, block)
+  forward = {(i, int(j)) for i in range(num_blocks) for j in key_table[i, :key_counts[i]]}
+  backward = {(int(i), j) for j in range(num_blocks) for i in query_table[j, :query_counts[j]]}
   assert forward == needed and backward == needed
   assert len(needed) < num_blocks * (num_blocks + 1) // 2  # the window skipped some tiles
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_block_sparse_pattern_skips_tiles_and_equals_the_naive_reference(packed):
+  """A block-sparse `keep(i, j)` (block 4, stride 8: key blocks between the recent ones and the
+  strided ones hold no kept key) shortens the schedule, and blockwise == xla == the naive
+  reference with the mask built element by element: outputs and gradients, with a bias."""
+  length, heads, kv_heads, block = 37, 4, 2, 4
+  spec = core.MaskSpec(keep=lambda i, j: (i - j < 4) | ((i - j) % 16 == 0))
+  num_blocks = -(-length // block)
+  assert int(spec.schedule(num_blocks, block)[0][0].sum()) < num_blocks * (num_blocks + 1) // 2
+  q = _normal(0, (2, length, heads, 8))
+  k, v = _normal(1, (2, length, kv_heads, 8)), _normal(2, (2, length, kv_heads, 8))
+  segments = SEGMENTS_37 if packed else None
+  bias_fn, params = _bias_function("alibi", heads)
+  index = np.arange(length)
+  element = (index[None, :] <= index[:, None]) & np.asarray(spec.keep(index[:, None],
+                                                                      index[None, :]))
+  same = np.ones((2, length, length), bool) if segments is None else (
+      np.asarray(segments)[:, :, None] == np.asarray(segments)[:, None, :])
+  d_out = _normal(3, q.shape)
+
+  def vjp(f):
+    out, pullback = jax.vjp(f, q, k, v)
+    return out, pullback(d_out)
+
+  def attend(backend):
+    return lambda q, k, v: core.attend(q, k, v, score_mod=core.ScoreMod(bias=bias_fn),
+                                       score_params=params, mask=spec, segments_BxT=segments,
+                                       backend=backend, block_size=block)
+
+  naive = jax.jit(lambda: vjp(lambda q, k, v: reference.softmax_attention(
+      q, k, v, bias_fn(params, index[None], index[None]),
+      mask_BxTxS=jnp.asarray(element[None] & same))))()
+  for backend in ("blockwise", "xla"):
+    got = jax.jit(lambda: vjp(attend(backend)))()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(naive)):
+      np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+
+
+def test_a_block_sparse_pattern_must_keep_each_querys_own_key():
+  with pytest.raises(ValueError, match="must keep each query's own key"):
+    core.MaskSpec(keep=lambda i, j: (i - j) % 2 == 1).schedule(4, 4)
+
+
+def test_values_wider_than_keys_and_a_score_modify_equal_the_naive_reference():
+  """V = 2 H (as differential attention's values), and a non-additive score function (a soft
+  cap, tanh(s / 5) * 5, as Gemma 2's) that sees per-token float inputs: blockwise == xla ==
+  the naive reference, outputs and the gradients of q, k, v and the inputs."""
+  length, heads, kv_heads = 21, 4, 2
+  q = _normal(0, (2, length, heads, 8))
+  k, v = _normal(1, (2, length, kv_heads, 8)), _normal(2, (2, length, kv_heads, 16))
+  gate = _normal(4, (2, length, heads))
+  d_out = _normal(3, (2, length, heads, 16))
+  score_mod = core.ScoreMod(
+      bias=lambda p, q_in, k_in: q_in.transpose(0, 2, 1)[:, :, :, None] * 0.1
+      - k_in.transpose(0, 2, 1)[:, :, None, :] * 0.1,
+      modify=lambda s, p, q_in, k_in: 5.0 * jnp.tanh(s / 5.0))
+
+  def naive(q, k, v, gate):
+    g = heads // kv_heads
+    logits = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, g, axis=2)) * 8 ** -0.5
+    logits = logits + 0.1 * (gate.transpose(0, 2, 1)[:, :, :, None]
+                             - gate.transpose(0, 2, 1)[:, :, None, :])
+    logits = 5.0 * jnp.tanh(logits / 5.0)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    p = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", p, jnp.repeat(v, g, axis=2))
+
+  def vjp(f):
+    out, pullback = jax.vjp(f, q, k, v, gate)
+    return out, pullback(d_out)
+
+  want = jax.jit(lambda: vjp(naive))()
+  for backend in ("blockwise", "xla"):
+    got = jax.jit(lambda: vjp(lambda q, k, v, g: core.attend(
+        q, k, v, score_mod=score_mod, inputs=g, backend=backend, block_size=8)))()
+    assert got[0].shape == (2, length, heads, 16)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
+  with pytest.raises(ValueError, match="'cudnn' takes an additive bias only"):
+    core.attend(q, k, v, score_mod=score_mod, inputs=gate, backend="cudnn")
 
 
 @pytest.mark.parametrize("scan", sorted(SCANS))

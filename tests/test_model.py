@@ -104,12 +104,12 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(position="t6"), "unknown position scheme 't6'.*valid: alibi, fire, kerple, learned, none, prope, rope, sinusoidal, t5, xpos"),
     (dict(attention="gqa", num_kv_heads=3), r"num_kv_heads=3 does not divide num_heads=4; valid: \[1, 2, 4\]"),
     (dict(d_model=30), "d_model=30 is not divisible by num_heads=4"),
-    (dict(d_model=12, position="rope"), "rotary positions need an even head dim.*= 3"),
+    (dict(d_model=12, position="rope"), "rotary positions need an even number of rotary dims.*got 3"),
     (dict(attention="linear", position="alibi"), "'linear' does not support position 'alibi' \\(it needs the bias hook.*compatible positions: none, sinusoidal, rope, learned, xpos, prope"),
     (dict(attention="linear", position="fire"), "'linear' does not support position 'fire'"),
     (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
     (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: auto, xla, blockwise, cudnn"),
-    (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'; use 'xla' or 'blockwise'"),
+    (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'.*use 'xla' or 'blockwise'"),
     (dict(attention="fox", position="none", attention_backend="cudnn"), "'fox' does not run on attention_backend 'cudnn'.*use 'blockwise'"),
     (dict(attention="fox", position="rope"), "'fox' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
     (dict(layer_pattern=("mamba", "flash"), num_layers=2), "unknown attention type 'flash' in model.layer_pattern"),
@@ -138,7 +138,7 @@ def test_bad_model_config_fails_at_build_time(overrides, message):
 
 
 def test_auto_backend_picks_by_length_and_device():
-  from research.attention.softmax import AUTO_BLOCKWISE_FROM, auto_backend
+  from research.attention.core import AUTO_BLOCKWISE_FROM, auto_backend
   mha, fox = attention.MHA.backends, attention.ForgettingAttention.backends
   assert auto_backend(AUTO_BLOCKWISE_FROM - 1, mha, jnp.float32, "cpu") == "xla"
   assert auto_backend(AUTO_BLOCKWISE_FROM, mha, jnp.float32, "cpu") == "blockwise"

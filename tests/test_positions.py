@@ -157,7 +157,7 @@ def test_yarn_temperature_is_applied_once_in_softmax_attention():
   yarn = research.build_model(tiny_model_config(attention="mha", rope=dict(
       scaling="yarn", scaling_factor=s)), rngs=nnx.Rngs(0))
   mixer_plain, mixer_yarn = plain.blocks[0].mixer, yarn.blocks[0].mixer
-  assert mixer_yarn._scale() / mixer_plain._scale() == pytest.approx((0.1 * math.log(s) + 1) ** 2)
+  assert mixer_yarn.scale() / mixer_plain.scale() == pytest.approx((0.1 * math.log(s) + 1) ** 2)
 
 
 def test_partial_rope_rotates_only_the_highest_frequencies():

@@ -23,10 +23,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research import nn
+from research import positions
 
 
 class Mixer(nnx.Module):
+  """Base of every sequence mixer. Its class attributes and classmethods are the mixer's
+  capabilities, read by the model, the benchmarks, the analyses and the conformance suite (none
+  of them tests a mixer's class or attributes otherwise); each has a default here."""
+
   hyperparameters = {}
+  # Small settings for the conformance suite (tests/): a subset of hyperparameters that keeps a
+  # tiny model fast, and a chunked form's chunk small enough that the test length spans at
+  # least three chunks (see `chunk_length`).
+  test_settings = {}
   # Position hooks this mixer applies besides the model's embedding term: a subset of {qk, bias}.
   position_hooks = frozenset()
   # Values of model.attention_backend this mixer implements; () if it has a single path.
@@ -34,6 +43,11 @@ class Mixer(nnx.Module):
   # A recurrent mixer carries order in its state, so in a hybrid it can sit beside layers that
   # take a qk or bias position scheme, and runs without it.
   recurrent = False
+  # Whether `attention_weights` gives the mixer's attention probabilities (the attention-map,
+  # induction and explanation analyses need them).
+  has_attention_weights = False
+  # Whether model.<settings>.window / .sinks give it a sliding window with a rolling cache.
+  supports_sliding_window = False
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -43,8 +57,50 @@ class Mixer(nnx.Module):
     """
     del settings, model_config
 
-  def __call__(self, x_BxLxD, positions_BxL):
+  @classmethod
+  def position_geometry(cls, settings, model_config, layer_index=0):
+    """The geometry of the queries and keys this mixer hands its position scheme (heads, head
+    dim, rotary dims, layer index); the scheme is built and validated for it."""
+    del settings
+    return positions.Geometry.of_model(model_config, layer_index)
+
+  @classmethod
+  def kv_heads(cls, model_config):
+    """Key/value heads of a layer (softmax attention), or None for a mixer without them."""
+    del model_config
+    return None
+
+  @classmethod
+  def cache_bytes_per_token(cls, model_config):
+    """Decode-cache bytes per token and layer for a cache that grows with the context (a KV
+    cache), or None for a state of fixed size."""
+    del model_config
+    return None
+
+  @classmethod
+  def chunk_length(cls, settings):
+    """Tokens per chunk (or block) of the chunked form that carries a state from chunk to chunk,
+    or None for a mixer without one: the conformance suite runs >= 3 of them."""
+    size = settings.get("chunk_size")
+    return None if size is None else int(size)
+
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     raise NotImplementedError
+
+  def attention_weights(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    """The attention probabilities [B, N, L, L] of `__call__` (has_attention_weights)."""
+    raise NotImplementedError(f"{type(self).__name__} has no attention weights")
+
+  def head_output_projection(self):
+    """The output projection if it mixes heads (a kernel [N, H, D] whose first logical axis is
+    "heads"), else None: head importance and pruning mask its rows."""
+    out = getattr(self, "out", None)
+    axes = None if out is None else out.kernel.get_metadata().get("logical_axes")
+    return out if axes and axes[0] == "heads" else None
+
+  def kv_group_size(self):
+    """Query heads that share each key/value head (N / K), 1 for a mixer without them."""
+    return 1
 
   def init_cache(self, batch_size, max_length):
     raise NotImplementedError

@@ -59,30 +59,25 @@ class ForgettingAttention(softmax.SoftmaxAttention):
           "'blockwise' (the bias per tile, O(length) memory) or 'xla'")
     super().validate(settings, model_config)
 
-  def __init__(self, settings, model_config, position, *, rngs):
-    super().__init__(settings, model_config, position, rngs=rngs)
+  def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
+    super().__init__(settings, model_config, position, rngs=rngs, layer_index=layer_index)
     d, n = model_config.d_model, model_config.num_heads
     self.forget_gate = nn.dense("BLD,DN->BLN", (d, n), ("embed", "heads"), rngs=rngs,
                                 dtype=self.dtype, bias_shape=(n,), bias_axes=("heads",))
 
-  def _project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
-    q, tokens = super()._project(x_BxTxD, positions_BxT)
+  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
+    q, tokens = super().project(x_BxTxD, positions_BxT)
     log_forget_BxTxN = jax.nn.log_sigmoid(self.forget_gate(x_BxTxD).astype(jnp.float32))
     c_BxTxN = jnp.cumsum(log_forget_BxTxN, axis=1)
     if segments_BxT is not None:  # restart at each document's first token
       first_BxT = jnp.arange(x_BxTxD.shape[1]) - masks.positions_in_documents(segments_BxT)
       c_BxTxN = c_BxTxN - jnp.take_along_axis(c_BxTxN, first_BxT[:, :, None], axis=1)
-    if cache is not None:
-      c_BxTxN = c_BxTxN + self._last_log_forget(cache, index)[:, None, :]
+    if cache is not None:  # continue from c of the last cached token (0 before the first)
+      c_BxTxN = c_BxTxN + self.kv_cache.last(cache, "log_forget", index)[:, None, :]
     return q, {**tokens, "log_forget": c_BxTxN}
 
-  def _last_log_forget(self, cache, index):
-    """c of token index - 1 from the cache, [B, N]; 0 before the first token."""
-    last_BxN = cache["log_forget"][:, self._slot(jnp.maximum(index - 1, 0))]
-    return jnp.where(index > 0, last_BxN, 0.0)
-
-  def _bias_inputs(self, positions_BxT, tokens):
-    return positions_BxT, tokens["log_forget"]
+  def score_inputs(self, positions_BxT, arrays):
+    return positions_BxT, arrays["log_forget"]
 
   def score_bias(self, position, q_inputs, k_inputs):
     (q_positions, q_log_forget), (k_positions, k_log_forget) = q_inputs, k_inputs
@@ -91,10 +86,9 @@ class ForgettingAttention(softmax.SoftmaxAttention):
     return bias if scheme is None else bias + scheme
 
   def init_cache(self, batch_size, max_length):
-    cache = super().init_cache(batch_size, max_length)
-    slots = self.cache_length(max_length)
-    cache["log_forget"] = jnp.zeros((batch_size, slots, self.num_heads), jnp.float32)
-    return cache
+    return self.kv_cache.init(batch_size, max_length, key_dim=self.head_dim,
+                              value_dim=self.value_head_dim, dtype=self.dtype,
+                              extra={"log_forget": ((self.num_heads,), jnp.float32)})
 
   @classmethod
   def cache_bytes_per_token(cls, model_config):

@@ -150,6 +150,7 @@ class GatedDeltaNet(base.Mixer):
                      "expand_v": 2.0,  # value head dim = expand_v * head_dim
                      "conv_width": 4,
                      "chunk_size": 64}
+  test_settings = {"chunk_size": 8}
   recurrent = True
 
   @classmethod
@@ -171,7 +172,8 @@ class GatedDeltaNet(base.Mixer):
                        f"dim of head_dim * expand_v = {h} * {settings.expand_v} = {e:g}; valid: "
                        f"expand_v > 0 with an integer product (e.g. 1 or 2)")
 
-  def __init__(self, settings, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
+    del layer_index  # the same computation at every depth
     del position  # order comes from the recurrence; the embedding hook is the model's
     d, n = model_config.d_model, model_config.num_heads
     h = _key_head_dim(settings, model_config)

@@ -91,6 +91,7 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
 
 class LinearAttention(base.Mixer):
   hyperparameters = {"feature_map": "elu", "chunk_size": 64}
+  test_settings = {"chunk_size": 8}
   position_hooks = frozenset({QK})
 
   @classmethod
@@ -101,7 +102,8 @@ class LinearAttention(base.Mixer):
     if settings.chunk_size < 1:
       raise ValueError(f"model.linear.chunk_size must be >= 1, got {settings.chunk_size}")
 
-  def __init__(self, settings, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
+    del layer_index  # the same computation at every depth
     d, n = model_config.d_model, model_config.num_heads
     h = d // n
     self.position = position

@@ -125,6 +125,7 @@ def gated_rms_norm(y_TxE, z_TxE, scale_E, eps=NORM_EPSILON):
 class Mamba2(base.Mixer):
   hyperparameters = {"state_size": 64, "head_dim": 64, "expand": 2, "conv_width": 4,
                      "chunk_size": 64}
+  test_settings = {"chunk_size": 8, "state_size": 8, "head_dim": 16}
   recurrent = True
 
   @classmethod
@@ -139,7 +140,8 @@ class Mamba2(base.Mixer):
           f"expand * d_model = {inner}; valid head_dim: "
           f"{[p for p in range(1, inner + 1) if inner % p == 0]}")
 
-  def __init__(self, settings, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
+    del layer_index  # the same computation at every depth
     del position  # order comes from the recurrence; the embedding hook is the model's
     d = model_config.d_model
     e = settings.expand * d

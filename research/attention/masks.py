@@ -7,13 +7,17 @@ where d(j) is j's index within its document (j itself without segments): the sin
 S tokens of each document.
 Local attention over the last W tokens (Longformer, arXiv:2004.05150) plus the first S tokens
 that every query keeps seeing (attention sinks, StreamingLLM, arXiv:2309.17453); W = 0 is full
-causal attention. Indices i, j count tokens (in decoding: tokens since the start of the cache),
+causal attention. A block-sparse pattern (`MaskSpec.keep`, e.g. the Sparse Transformer's strided
+pattern, arXiv:1904.10509) is a further predicate keep(i, j) of the two token indices. Indices i, j count tokens (in decoding: tokens since the start of the cache),
 never the position scheme's positions, which may restart at each document.
 
 Segments are per-token document ids [B, L], non-decreasing along each row: a packed row of
 several documents. Attention never crosses a segment boundary and recurrent mixers restart their
 state at a segment start, so a packed row computes what each document alone would.
 """
+
+import dataclasses
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,11 +72,14 @@ def document_starts(segments_BxL):
   return jnp.pad(segments_BxL[:, 1:] != segments_BxL[:, :-1], [(0, 0), (1, 0)])
 
 
-def visible(q_index_T, k_index_S, window=0, sinks=0, k_document_index_BxS=None):
+def visible(q_index_T, k_index_S, window=0, sinks=0, k_document_index_BxS=None, keep=None):
   """[T, S] bool (or [B, T, S] given the keys' indices within their documents, [B, S]): causal,
-  and within the window or a sink. Indices count tokens."""
+  within the window or a sink, and kept by the block-sparse predicate `keep(i, j)` when given.
+  Indices count tokens."""
   q, k = q_index_T[:, None], k_index_S[None, :]
   seen = k <= q
+  if keep is not None:
+    seen = seen & keep(q, k)
   if window:
     if k_document_index_BxS is None or not sinks:
       seen &= (q - k < window) | (k < sinks)
@@ -87,11 +94,11 @@ def same_segment(q_segments_BxT, k_segments_BxS):
 
 
 def allowed(q_index_T, k_index_S, window=0, sinks=0, q_segments_BxT=None, k_segments_BxS=None,
-            k_document_index_BxS=None):
+            k_document_index_BxS=None, keep=None):
   """[B | 1, 1, T, S] bool, broadcasting over heads: visible, and in the same segment when
   segment ids are given (k_document_index_BxS: the keys' indices within their documents, for
   the sinks of packed documents)."""
-  seen = visible(q_index_T, k_index_S, window, sinks, k_document_index_BxS)
+  seen = visible(q_index_T, k_index_S, window, sinks, k_document_index_BxS, keep)
   seen = seen[None, None] if seen.ndim == 2 else seen[:, None]
   if q_segments_BxT is not None:
     seen = seen & same_segment(q_segments_BxT, k_segments_BxS)
@@ -132,19 +139,74 @@ def all_chunk_segments(segments_BxL, padded_length, chunk):
           keeps_state.reshape(b, num_chunks), adds.reshape(b, num_chunks, chunk))
 
 
-def key_blocks(query_block, block, window, sinks, packed=False):
-  """(number of sink blocks visited, first key block of the window) for a query block: key
-  blocks [0, sink blocks) and [first, query_block] may hold a visible key, no others. With
-  sinks in packed documents (packed=True) a sink may be in any block: every block is visited."""
-  if not window or (packed and sinks):
-    return 0, 0
-  first = jnp.maximum(0, (query_block * block - window + 1) // block)
-  return jnp.minimum(-(-sinks // block), first), first
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """Which keys each query sees, declared: always causal (by token index), a sliding window of
+  the last `window` keys (0: all) with the first `sinks` tokens of each document kept, and
+  `keep(i, j)`, a block-sparse pattern of query index i and key index j, [T, 1] and [1, S]
+  integer arrays, which must keep each query's own key. `keep` is written with operators only (%, //, <, ==, &, |), so that it runs on
+  numpy arrays (the tile schedule, computed once at trace time) and on traced ones (the mask
+  inside a tile); it must be a pure function of the two indices. Segments (packed documents) are
+  data, passed beside the spec. The blockwise backend never visits a tile the spec rules out.
+  """
+  window: int = 0
+  sinks: int = 0
+  keep: Optional[Callable] = None
+
+  def check(self, field="model.softmax"):
+    check_window(self.window, self.sinks, field)
+
+  def allowed(self, q_index_T, k_index_S, q_segments_BxT=None, k_segments_BxS=None,
+              k_document_index_BxS=None):
+    """[B | 1, 1, T, S] bool: see `allowed`."""
+    return allowed(q_index_T, k_index_S, self.window, self.sinks, q_segments_BxT,
+                   k_segments_BxS, k_document_index_BxS, self.keep)
+
+  def visible(self, q_index_T, k_index_S):
+    """[T, S] bool: see `visible` (a query's first-token sinks, no segments)."""
+    return visible(q_index_T, k_index_S, self.window, self.sinks, keep=self.keep)
+
+  def tiles(self, num_blocks, block, packed=False):
+    """[num_blocks, num_blocks] numpy bool: tile (i, j) of query block i and key block j holds
+    a visible pair. With sinks in packed documents (packed=True) a sink may be in any block (the
+    first tokens of every document), so every causal tile of the window's reach counts."""
+    i, j = np.arange(num_blocks)[:, None], np.arange(num_blocks)[None, :]
+    tiles = j <= i
+    if self.window:
+      # The nearest pair of tile (i, j) is 1 + (i - j - 1) * block tokens apart (0 on the diagonal).
+      near = (i - j - 1) * block + 1 < self.window
+      sink = (packed & (self.sinks > 0)) | (j * block < self.sinks)
+      tiles &= near | sink
+    if self.keep is not None:  # one row of query blocks at a time: O(block x length) memory
+      k_index = np.arange(num_blocks * block)[None, :]
+      for row in range(num_blocks):
+        q_index = (row * block + np.arange(block))[:, None]
+        kept = np.broadcast_to(np.asarray(self.keep(q_index, k_index), bool) & (k_index <= q_index),
+                               (block, k_index.size))
+        if not kept[np.arange(block), q_index[:, 0]].all():
+          raise ValueError("a block-sparse pattern must keep each query's own key (keep(i, i) "
+                           "true for every i), so that every query sees at least one key")
+        tiles[row] &= kept.reshape(block, num_blocks, block).any(axis=(0, 2))
+    return tiles
+
+  def schedule(self, num_blocks, block, packed=False):
+    """The tiles to visit, as numpy int32 tables: (counts [Q], key blocks [Q, M]): query block i
+    visits key blocks table[i, :counts[i]] in ascending order; and (counts [K], query blocks
+    [K, M']) likewise per key block, for the backward pass. Padding entries repeat a visited
+    block and are never read."""
+    tiles = self.tiles(num_blocks, block, packed)
+
+    def table(rows):
+      counts = rows.sum(1).astype(np.int32)
+      width = max(int(counts.max(initial=0)), 1)
+      out = np.zeros((rows.shape[0], width), np.int32)
+      for r, row in enumerate(rows):
+        chosen = np.nonzero(row)[0]
+        out[r, :chosen.size] = chosen
+        out[r, chosen.size:] = chosen[-1] if chosen.size else 0
+      return counts, out
+
+    return table(tiles), table(tiles.T)
 
 
-def last_query_block(key_block, block, window, sinks, num_blocks, packed=False):
-  """The last query block that may see a key of `key_block` (inclusive)."""
-  if not window or (packed and sinks):
-    return num_blocks - 1
-  last = jnp.minimum(num_blocks - 1, ((key_block + 1) * block + window - 2) // block)
-  return jnp.where(key_block * block < sinks, num_blocks - 1, last)
+CAUSAL = MaskSpec()

@@ -98,6 +98,7 @@ def _xavier_uniform(gain, in_axis, out_axis):
 
 class Retention(base.Mixer):
   hyperparameters = {"chunk_size": 64}
+  test_settings = {"chunk_size": 8}
   position_hooks = frozenset({QK})
 
   @classmethod
@@ -105,7 +106,8 @@ class Retention(base.Mixer):
     if settings.chunk_size < 1:
       raise ValueError(f"model.retention.chunk_size must be >= 1, got {settings.chunk_size}")
 
-  def __init__(self, settings, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
+    del layer_index  # the same computation at every depth
     d, n = model_config.d_model, model_config.num_heads
     h = d // n
     self.position, self.num_heads, self.head_dim = position, n, h

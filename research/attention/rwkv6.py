@@ -177,6 +177,7 @@ class RWKV6(base.Mixer):
                      "sub_chunk_size": 8,  # pairs within a sub-chunk are computed one by one
                      "mix_lora_rank": 32,
                      "decay_lora_rank": 64}
+  test_settings = {"chunk_size": 8, "sub_chunk_size": 4}
   recurrent = True
 
   @classmethod
@@ -186,7 +187,8 @@ class RWKV6(base.Mixer):
       if settings[field] < 1:
         raise ValueError(f"model.rwkv6.{field} must be >= 1, got {settings[field]}")
 
-  def __init__(self, settings, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
+    del layer_index  # the same computation at every depth
     del position  # order comes from the recurrence; the embedding hook is the model's
     d, n = model_config.d_model, model_config.num_heads
     h = d // n

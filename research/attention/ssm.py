@@ -209,6 +209,7 @@ class Mamba(base.Mixer):
                      "dt_rank": 0,  # 0: ceil(d_model / 16)
                      "chunk_size": 64,
                      "scan": "auto"}  # within a chunk: associative | sequential | auto
+  test_settings = {"chunk_size": 8, "state_size": 4}
   recurrent = True
 
   @classmethod
@@ -223,7 +224,8 @@ class Mamba(base.Mixer):
       raise ValueError(f"unknown model.mamba.scan {settings.scan!r}; valid: auto, "
                        f"{', '.join(SCANS)}")
 
-  def __init__(self, settings, model_config, position, *, rngs):
+  def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
+    del layer_index  # the same computation at every depth
     del position  # order comes from the recurrence; the embedding hook is the model's
     d = model_config.d_model
     e = settings.expand * d

@@ -40,8 +40,9 @@ def variants():
   return table
 
 
-def _is_softmax(config):
-  return issubclass(attention.REGISTRY.lookup(config.attention), attention.SoftmaxAttention)
+def _grows(config):
+  """Whether the mixer's decode cache grows with the context (a KV cache)."""
+  return attention.REGISTRY.lookup(config.attention).cache_bytes_per_token(config) is not None
 
 
 def model_config(variant, dtype):
@@ -56,9 +57,10 @@ def kv_heads(config):
 
 
 def analytic_kv_bytes(config, context):
-  """layers * the mixer's cache bytes per token * tokens * batch, softmax types only: keys and
-  values, 2 * kv_heads * head_dim * bytes (FoX adds a float32 log forget gate per head)."""
-  if not _is_softmax(config):
+  """layers * the mixer's cache bytes per token * tokens * batch, for a cache that grows with
+  the context: keys and values, 2 * kv_heads * head_dim * bytes (FoX adds a float32 log forget
+  gate per head); None for a fixed state."""
+  if not _grows(config):
     return None
   per_token = attention.REGISTRY.lookup(config.attention).cache_bytes_per_token(config)
   return config.num_layers * per_token * context * BATCH
@@ -97,7 +99,7 @@ def measure_variant(variant, contexts, dtype, steps, warmup):
     cache["index"] = jnp.asarray(context - 1, jnp.int32)
     times = step_latencies(step, state, token, cache, steps, warmup)
     rows.append({"variant": variant, "attention": config.attention,
-                 "kv_heads": kv_heads(config) if _is_softmax(config) else None,
+                 "kv_heads": kv_heads(config),
                  "context": context, "dtype": dtype,
                  "latency_ms": round(1e3 * statistics.median(times), 4), "steps": steps,
                  "cache_bytes": model.cache_bytes(BATCH, context),

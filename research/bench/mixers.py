@@ -28,7 +28,7 @@ from flax import nnx
 from configs import base
 from research import positions
 from research.attention import reference
-from research.attention.blockwise import blockwise_attention
+from research.attention import core
 from research.attention.fox import forget_bias
 from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
 from research.attention.ssm import chunked_selective_scan, scan_for_backend
@@ -73,7 +73,7 @@ def _cudnn(q, k, v):
 
 
 def _blockwise(q, k, v):
-  return blockwise_attention(q, k, v, block_size=BLOCK_SIZE)
+  return core.attend(q, k, v, backend="blockwise", block_size=BLOCK_SIZE)
 
 
 def _bias_kernel(name):
@@ -86,8 +86,8 @@ def _bias_kernel(name):
     return nnx.merge(graphdef, p).bias(q_positions, k_positions)
 
   def fn(q, k, v, p):
-    return blockwise_attention(q, k, v, jnp.arange(q.shape[1])[None], bias_fn, p,
-                               block_size=BLOCK_SIZE)
+    return core.attend(q, k, v, score_mod=core.ScoreMod(bias=bias_fn), score_params=p,
+                       backend="blockwise", block_size=BLOCK_SIZE)
 
   return Kernel(f"blockwise_{name}", "softmax", fn, _attention_shapes, params)
 
@@ -100,8 +100,9 @@ def _blockwise_fox(q, k, v, gate_logits):
   """FoX's blockwise path: the forget-gate bias c_i - c_j of each tile from the cumulative log
   gates c (research/attention/fox.py), differentiated through to the gate logits."""
   c_BxTxN = jnp.cumsum(jax.nn.log_sigmoid(gate_logits.astype(jnp.float32)), axis=1)
-  return blockwise_attention(q, k, v, c_BxTxN, lambda _, q_c, k_c: forget_bias(q_c, k_c),
-                             block_size=BLOCK_SIZE)
+  return core.attend(q, k, v, inputs=c_BxTxN,
+                     score_mod=core.ScoreMod(bias=lambda _, q_c, k_c: forget_bias(q_c, k_c)),
+                     backend="blockwise", block_size=BLOCK_SIZE)
 
 
 def _linear(q, k, v):

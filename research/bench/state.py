@@ -25,7 +25,7 @@ from flax import nnx
 
 from research import attention
 from research import model as model_lib
-from research.attention.blockwise import blockwise_attention
+from research.attention import core
 from research.bench import decode
 from research.bench import mixers
 from research.bench import report
@@ -67,9 +67,11 @@ def window_rows(settings, dtype):
   length, block = settings.window_length, settings.block_size
   shapes = lambda n: [(mixers.BATCH, n, mixers.HEADS, mixers.HEAD_DIM)] * 3
   kernels = {
-      "blockwise full causal": lambda q, k, v: blockwise_attention(q, k, v, block_size=block),
-      f"blockwise window={settings.window}": lambda q, k, v: blockwise_attention(
-          q, k, v, block_size=block, window=settings.window)}
+      "blockwise full causal": lambda q, k, v: core.attend(q, k, v, backend="blockwise",
+                                                           block_size=block),
+      f"blockwise window={settings.window}": lambda q, k, v: core.attend(
+          q, k, v, backend="blockwise", block_size=block,
+          mask=core.MaskSpec(window=settings.window))}
   calls, rows = {}, {}
   for series, fn in kernels.items():
     row = {"part": "window", "series": series, "length": length, "window": 0 if "full" in series
@@ -95,7 +97,7 @@ def cache_rows(settings, dtype):
   rolling = f"window={settings.cache_window}+sinks={settings.cache_sinks}"
   for variant in decode.variants():
     config = decode.model_config(variant, dtype)
-    if not issubclass(attention.REGISTRY.lookup(config.attention), attention.SoftmaxAttention):
+    if not attention.REGISTRY.lookup(config.attention).supports_sliding_window:
       continue
     for label, window, sinks in (("full", 0, 0),
                                  (rolling, settings.cache_window, settings.cache_sinks)):

@@ -53,6 +53,8 @@ class FeedForward(nnx.Module):
   """Defaults for a feed-forward that looks at one token at a time."""
 
   hyperparameters = {}
+  # Small settings for the conformance suite (see research.attention.base.Mixer.test_settings).
+  test_settings = {}
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -69,3 +71,7 @@ class FeedForward(nnx.Module):
   def decode(self, x_BxTxD, cache, index):
     del index
     return self(x_BxTxD), cache
+
+  def idle_params_per_token(self):
+    """Parameters a token does not use (the experts it is not routed to), for FLOP counts."""
+    return 0

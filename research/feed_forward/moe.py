@@ -62,6 +62,7 @@ def router_z_loss(logits_TxX):
 class MixtureOfExperts(base.FeedForward):
   hyperparameters = {"num_experts": 16, "top_k": 2, "renormalize": False,
                      "load_balancing_weight": 0.01, "router_z_loss_weight": 0.0}
+  test_settings = {"num_experts": 4, "top_k": 2}
 
   @classmethod
   def validate(cls, settings, model_config):

@@ -19,9 +19,10 @@ from flax import nnx
 
 from research import nn
 from research.attention import rwkv6
+from research.feed_forward import base
 
 
-class RWKVChannelMix(nnx.Module):
+class RWKVChannelMix(base.FeedForward):
   hyperparameters = {"hidden": 0}  # 0: model.mlp_ratio * d_model
 
   @classmethod

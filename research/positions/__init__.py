@@ -6,7 +6,7 @@ The conformance suite, the xla == blockwise test, sweeps and tables enumerate th
 """
 
 from research.positions.alibi import ALiBi, alibi_slopes
-from research.positions.base import BIAS, EMBED, QK, PositionScheme
+from research.positions.base import BIAS, EMBED, QK, Geometry, PositionScheme
 from research.positions.fire import FIRE
 from research.positions.kerple import KerpleLog
 from research.positions.learned import Learned
@@ -33,14 +33,17 @@ REGISTRY.register("prope", PartialRoPE)
 
 def rotary(name: str) -> bool:
   """Whether scheme `name` rotates queries and keys (and so takes the RoPE scalings)."""
-  return issubclass(REGISTRY.lookup(name), RoPE)
+  return REGISTRY.lookup(name).rotary
 
 
-def validate(model_config):
-  """Check model.position and its settings; returns the scheme class."""
+def validate(model_config, geometries=()):
+  """Check model.position and its settings for each geometry the mixers give it (the model's
+  usual one when none do); returns the scheme class."""
   name = model_config.position
   cls = REGISTRY.lookup(name)
-  cls.validate(REGISTRY.settings(name, model_config), model_config)
+  settings = REGISTRY.settings(name, model_config)
+  for geometry in dict.fromkeys(g.shared() for g in geometries) or [Geometry.of_model(model_config)]:
+    cls.validate(settings, geometry)
   for other in REGISTRY:  # a scaling set on a scheme that is not the one in use
     key = REGISTRY.settings_key(other)
     if other == name or not rotary(other) or key not in model_config:
@@ -63,7 +66,9 @@ def max_length(model_config):
   return REGISTRY.lookup(name).max_length(REGISTRY.settings(name, model_config))
 
 
-def build(model_config, *, rngs) -> PositionScheme:
-  """The scheme named by model.position, with its settings from model.<name>."""
+def build(model_config, geometry=None, *, rngs) -> PositionScheme:
+  """The scheme named by model.position, with its settings from model.<name>, for a mixer of
+  `geometry` (default: the model's usual one, Geometry.of_model)."""
   name = model_config.position
-  return REGISTRY.lookup(name)(REGISTRY.settings(name, model_config), model_config, rngs=rngs)
+  geometry = geometry or Geometry.of_model(model_config)
+  return REGISTRY.lookup(name)(REGISTRY.settings(name, model_config), geometry, rngs=rngs)

@@ -31,9 +31,9 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 class ALiBi(base.PositionScheme):
 
-  def __init__(self, settings, model_config, *, rngs):
+  def __init__(self, settings, geometry, *, rngs):
     del settings, rngs
-    self.num_heads = model_config.num_heads
+    self.num_heads = geometry.num_heads
 
   def bias(self, q_positions_BxT, k_positions_BxS):
     slopes_N = jnp.asarray(alibi_slopes(self.num_heads))

@@ -7,6 +7,10 @@
                                       [B, N, T, S] float32 added to the attention logits, or None
   logit_scale()                       a softmax temperature on the logits (YaRN), 1 otherwise
 
+A scheme is told its geometry by the mixer that uses it (`Geometry`: d_model, the heads and head
+dim of the queries and keys it acts on, how many of those dims rotate, the layer index), through
+`research.attention.base.Mixer.position_geometry`; nothing here reads head counts from the model.
+
 Positions are per token, int32 [B, L]; B is 1 when every row has the same positions (the
 usual arange), so a bias is computed once, not once per row. The causal mask is by token index,
 never by position, so positions may be any non-decreasing numbers (randomized positions).
@@ -19,22 +23,50 @@ hooks it honours (`research.attention.base.Mixer.position_hooks`), and the model
 where the scheme uses a hook that the mixer cannot honour.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
 EMBED, QK, BIAS = "embed", "qk", "bias"
 
 
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+  """What a scheme is built for: the model width (embedding terms), the heads and head dim of
+  the queries and keys it rotates or biases, the leading `rotary_dims` of each head that rotary
+  schemes rotate (head_dim unless a mixer decouples them), and the index of the layer."""
+  d_model: int
+  num_heads: int
+  head_dim: int
+  rotary_dims: int
+  layer_index: int = 0
+
+  @classmethod
+  def of_model(cls, model_config, layer_index=0):
+    """The usual geometry: num_heads heads of d_model / num_heads dims, all of them rotating."""
+    head_dim = model_config.d_model // model_config.num_heads
+    return cls(model_config.d_model, model_config.num_heads, head_dim, head_dim, layer_index)
+
+  def shared(self):
+    """The geometry without the layer index: what a scheme shared across layers depends on."""
+    return dataclasses.replace(self, layer_index=0)
+
+
 class PositionScheme(nnx.Module):
   """Base class: no position information at all."""
 
   hyperparameters = {}
+  # Small settings for the conformance suite (see research.attention.base.Mixer.test_settings).
+  test_settings = {}
+  # Whether it rotates queries and keys, and so takes the RoPE scalings (model.<name>.scaling).
+  rotary = False
   # One instance for the whole model (T5 shares its bias table across layers), or one per
   # attention layer (KERPLE and FIRE learn a bias per layer).
   shared_across_layers = True
 
-  def __init__(self, settings, model_config, *, rngs):
-    del settings, model_config, rngs
+  def __init__(self, settings, geometry: Geometry, *, rngs):
+    del settings, geometry, rngs
 
   @classmethod
   def hooks(cls) -> frozenset:
@@ -50,9 +82,10 @@ class PositionScheme(nnx.Module):
     return frozenset(used)
 
   @classmethod
-  def validate(cls, settings, model_config):
-    """Raise ValueError, naming what is valid, if the settings cannot build this scheme."""
-    del settings, model_config
+  def validate(cls, settings, geometry: Geometry):
+    """Raise ValueError, naming what is valid, if the settings cannot build this scheme for a
+    mixer of this geometry."""
+    del settings, geometry
 
   @classmethod
   def max_length(cls, settings):

@@ -26,8 +26,8 @@ class FIRE(base.PositionScheme):
   hyperparameters = {"hidden": 32, "init_c": 0.1, "init_threshold": 512.0}
   shared_across_layers = False
 
-  def __init__(self, settings, model_config, *, rngs):
-    hidden, heads = int(settings.hidden), model_config.num_heads
+  def __init__(self, settings, geometry, *, rngs):
+    hidden, heads = int(settings.hidden), geometry.num_heads
     self.init_threshold = float(settings.init_threshold)
     self.hidden_kernel = nn.param(_uniform(rngs.params(), (hidden,), 1), ("fire_hidden",),
                                   weight_decay=True)
@@ -41,7 +41,7 @@ class FIRE(base.PositionScheme):
     self.threshold_scale = nn.param(jnp.asarray(1.0), (), weight_decay=False)
 
   @classmethod
-  def validate(cls, settings, model_config):
+  def validate(cls, settings, geometry):
     if settings.hidden < 1:
       raise ValueError(f"model.fire.hidden must be >= 1, got {settings.hidden}")
     if settings.init_c <= 0 or settings.init_threshold <= 0:

@@ -18,9 +18,9 @@ MINIMUM = 1e-2
 class KerpleLog(base.PositionScheme):
   shared_across_layers = False
 
-  def __init__(self, settings, model_config, *, rngs):
+  def __init__(self, settings, geometry, *, rngs):
     del settings
-    n = model_config.num_heads
+    n = geometry.num_heads
     self.r1 = nn.param(2.0 * jax.random.uniform(rngs.params(), (n,)), ("position_heads",),
                        weight_decay=False)
     self.r2 = nn.param(jax.random.uniform(rngs.params(), (n,)), ("position_heads",),

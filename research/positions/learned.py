@@ -18,14 +18,15 @@ INIT_STDDEV = 0.5
 
 class Learned(base.PositionScheme):
   hyperparameters = {"max_length": 2048}
+  test_settings = {"max_length": 64}
 
-  def __init__(self, settings, model_config, *, rngs):
-    shape = (int(settings.max_length), model_config.d_model)
+  def __init__(self, settings, geometry, *, rngs):
+    shape = (int(settings.max_length), geometry.d_model)
     self.table = nn.param(nnx.initializers.normal(INIT_STDDEV)(rngs.params(), shape),
                           ("max_positions", "position_embed"), weight_decay=True)
 
   @classmethod
-  def validate(cls, settings, model_config):
+  def validate(cls, settings, geometry):
     if settings.max_length < 1:
       raise ValueError(f"model.learned.max_length must be >= 1, got {settings.max_length}")
 

@@ -14,13 +14,13 @@ from research.positions import rope
 class PartialRoPE(rope.RoPE):
   hyperparameters = {**rope.RoPE.hyperparameters, "fraction": 0.75}
 
-  def __init__(self, settings, model_config, *, rngs):
-    super().__init__(settings, model_config, rngs=rngs)
-    self.rotating_pairs = int(float(settings.fraction) * self.head_dim // 2)
+  def __init__(self, settings, geometry, *, rngs):
+    super().__init__(settings, geometry, rngs=rngs)
+    self.rotating_pairs = int(float(settings.fraction) * self.rotary_dims // 2)
 
   @classmethod
-  def validate(cls, settings, model_config):
-    super().validate(settings, model_config)
+  def validate(cls, settings, geometry):
+    super().validate(settings, geometry)
     if not 0 <= settings.fraction <= 1:
       raise ValueError(f"model.prope.fraction must be in [0, 1], got {settings.fraction}")
 

@@ -1,7 +1,9 @@
 """Rotary position embedding, RoPE (Su et al., arXiv:2104.09864), and its context extensions.
 
 Each 2-D slice (x[2i], x[2i+1]) of a query or key at position m is rotated by m * theta_i,
-theta_i = base^(-2i/d), so <R(m) q, R(n) k> depends on m - n only.
+theta_i = base^(-2i/d), so <R(m) q, R(n) k> depends on m - n only. d is the geometry's
+rotary_dims: the leading channels of each head that rotate (the whole head unless the mixer
+decouples them); any channels after them pass unchanged.
 
 Scalings (model.rope.scaling), with s = scaling_factor and L = original_length (the training
 length); each follows the code its authors published, as HF transformers' modeling_rope_utils:
@@ -54,21 +56,23 @@ def scaling_for_length(scaling, eval_length, train_length):
 class RoPE(base.PositionScheme):
   hyperparameters = {"base": 10000.0, "scaling": "none", "scaling_factor": 1.0,
                      "original_length": 128}
+  test_settings = {"original_length": 16}
+  rotary = True
 
-  def __init__(self, settings, model_config, *, rngs):
+  def __init__(self, settings, geometry, *, rngs):
     del rngs
     self.base_frequency = float(settings.base)
     self.scaling = settings.scaling
     self.factor = float(settings.scaling_factor)
     self.original_length = int(settings.original_length)
-    self.head_dim = model_config.d_model // model_config.num_heads
+    self.rotary_dims = geometry.rotary_dims
 
   @classmethod
-  def validate(cls, settings, model_config):
-    head_dim = model_config.d_model // model_config.num_heads
-    if head_dim % 2:
-      raise ValueError(f"rotary positions need an even head dim, but d_model / num_heads = "
-                       f"{head_dim}; choose num_heads so that d_model / num_heads is even")
+  def validate(cls, settings, geometry):
+    if geometry.rotary_dims % 2 or not 0 < geometry.rotary_dims <= geometry.head_dim:
+      raise ValueError(f"rotary positions need an even number of rotary dims in (0, head_dim = "
+                       f"{geometry.head_dim}], got {geometry.rotary_dims} (with the usual "
+                       f"geometry: choose num_heads so that d_model / num_heads is even)")
     if settings.base <= 1:
       raise ValueError(f"the rotary base must be > 1, got {settings.base} (10000 is usual)")
     if settings.scaling not in SCALINGS:
@@ -79,8 +83,8 @@ class RoPE(base.PositionScheme):
       raise ValueError(f"the rotary original_length must be >= 1, got {settings.original_length}")
 
   def inverse_frequencies(self, positions_BxL=None):
-    """theta_i for i < head_dim / 2, after scaling, float32 [head_dim / 2]."""
-    d, s, base_frequency = self.head_dim, self.factor, self.base_frequency
+    """theta_i for i < rotary_dims / 2, after scaling, float32 [rotary_dims / 2]."""
+    d, s, base_frequency = self.rotary_dims, self.factor, self.base_frequency
     exponents = jnp.arange(0, d, 2, dtype=jnp.float32) / d
     if self.scaling == "static_ntk":
       base_frequency = base_frequency * s ** (d / (d - 2))
@@ -98,7 +102,11 @@ class RoPE(base.PositionScheme):
     return theta
 
   def rotate(self, x_BxLxNxH, positions_BxL):
-    """x with each pair (x[2i], x[2i+1]) rotated by position * theta_i; a pure rotation."""
+    """x with each pair (x[2i], x[2i+1]) of its rotary dims rotated by position * theta_i; a
+    pure rotation."""
+    if self.rotary_dims < x_BxLxNxH.shape[-1]:
+      rotated = self.rotate(x_BxLxNxH[..., :self.rotary_dims], positions_BxL)
+      return jnp.concatenate([rotated, x_BxLxNxH[..., self.rotary_dims:]], axis=-1)
     theta = self.inverse_frequencies(positions_BxL)
     angle = positions_BxL.astype(jnp.float32)[..., None] * theta  # [B, L, H/2]
     cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]

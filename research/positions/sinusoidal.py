@@ -12,14 +12,14 @@ from research.positions import base
 class Sinusoidal(base.PositionScheme):
   hyperparameters = {"max_wavelength": 10000.0}
 
-  def __init__(self, settings, model_config, *, rngs):
+  def __init__(self, settings, geometry, *, rngs):
     del rngs
     self.max_wavelength = float(settings.max_wavelength)
 
   @classmethod
-  def validate(cls, settings, model_config):
-    if model_config.d_model % 2:
-      raise ValueError(f"sinusoidal positions need an even d_model, got {model_config.d_model}")
+  def validate(cls, settings, geometry):
+    if geometry.d_model % 2:
+      raise ValueError(f"sinusoidal positions need an even d_model, got {geometry.d_model}")
     if settings.max_wavelength <= 0:
       raise ValueError(f"model.sinusoidal.max_wavelength must be > 0, got "
                        f"{settings.max_wavelength}")

@@ -31,15 +31,15 @@ def relative_bucket(distance, num_buckets, max_distance):
 class T5Bias(base.PositionScheme):
   hyperparameters = {"num_buckets": 32, "max_distance": 128}
 
-  def __init__(self, settings, model_config, *, rngs):
+  def __init__(self, settings, geometry, *, rngs):
     self.num_buckets, self.max_distance = int(settings.num_buckets), int(settings.max_distance)
-    shape = (self.num_buckets, model_config.num_heads)
-    init = nnx.initializers.normal(model_config.d_model ** -0.5)
+    shape = (self.num_buckets, geometry.num_heads)
+    init = nnx.initializers.normal(geometry.d_model ** -0.5)
     self.table = nn.param(init(rngs.params(), shape), ("relative_buckets", "position_heads"),
                           weight_decay=False)
 
   @classmethod
-  def validate(cls, settings, model_config):
+  def validate(cls, settings, geometry):
     if settings.num_buckets < 2:
       raise ValueError(f"model.t5.num_buckets must be >= 2 (half of them exact), got "
                        f"{settings.num_buckets}")

@@ -17,21 +17,24 @@ from research.positions import rope
 class XPos(rope.RoPE):
   hyperparameters = {**rope.RoPE.hyperparameters, "scale_base": 512.0, "gamma": 0.4}
 
-  def __init__(self, settings, model_config, *, rngs):
-    super().__init__(settings, model_config, rngs=rngs)
+  def __init__(self, settings, geometry, *, rngs):
+    super().__init__(settings, geometry, rngs=rngs)
     self.scale_base = float(settings.scale_base)
     self.gamma = float(settings.gamma)
 
   @classmethod
-  def validate(cls, settings, model_config):
-    super().validate(settings, model_config)
+  def validate(cls, settings, geometry):
+    super().validate(settings, geometry)
+    if geometry.rotary_dims != geometry.head_dim:
+      raise ValueError(f"xpos scales every channel of a head, so it needs rotary_dims == head_dim, "
+                       f"got {geometry.rotary_dims} of {geometry.head_dim}; use rope or prope")
     if settings.scale_base <= 0 or settings.gamma <= 0:
       raise ValueError(f"model.xpos.scale_base and model.xpos.gamma must be > 0, got "
                        f"{settings.scale_base} and {settings.gamma}")
 
   def _scale(self, positions_BxL, sign):
     """zeta^(sign * position / scale_base) for every channel (each pair's zeta twice)."""
-    half = self.head_dim // 2
+    half = self.rotary_dims // 2
     zeta = (jnp.arange(half, dtype=jnp.float32) / half + self.gamma) / (1 + self.gamma)
     power = sign * positions_BxL.astype(jnp.float32)[..., None] / self.scale_base
     return jnp.repeat(zeta ** power, 2, axis=-1)[:, :, None, :]  # [B, L, 1, H]

@@ -1,0 +1,210 @@
+"""The attention core: one function for every softmax-family mixer, with the contract of
+FlexAttention (Dong et al., arXiv:2412.05496; PyTorch's `flex_attention(q, k, v, score_mod,
+block_mask)`):
+
+  attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, V], *, scale, score_mod, score_params,
+         inputs, mask, segments_BxT, backend, block_size) -> [B, T, N, V]
+  out_i = sum_j softmax_j(score_mod(scale q_i . k_j) where mask(i, j) else -inf) v_j
+
+a sequence attending to itself, causally (decoding against a cache goes through the same score
+function in research.attention.kv_cache). Query head n reads key/value head n // (N / K)
+(grouped-query attention, never repeated in memory); values may be wider than queries and keys
+(V != H).
+
+* `score_mod` (a `ScoreMod`) changes the float32 logits of each (query, key) pair: an additive
+  bias `bias(params, q_inputs, k_inputs) -> [B' | 1, N | 1, T, S]` (position schemes: ALiBi, T5,
+  KERPLE, FIRE; FoX's forget gates) and/or any `modify(logits_BxNxTxS, params, q_inputs,
+  k_inputs) -> logits`. `inputs` is a pytree of per-token arrays [B | 1, T, ...] (by default
+  the positions 0..T-1, [1, T]); the core cuts it into the query and key rows of each tile, and
+  the gradients reach `score_params` and the floating-point leaves of `inputs`.
+* `mask` (research.attention.masks.MaskSpec) declares the visible keys: causal, a sliding window
+  with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
+  attention within a document.
+
+Backends (what each can express, and which `auto` picks):
+  xla        jax.nn.dot_product_attention(implementation="xla") with the bias and mask
+             materialised, [B, N, T, T]; a `modify` or values wider than keys take the same
+             float32 computation written out (jax.nn.dot_product_attention needs V == H)
+  blockwise  research.attention.blockwise: exact, online softmax, O(length) memory; the score
+             modification and the mask evaluated per tile, forward and backward, and only the
+             tiles the mask spec allows are visited (window, sinks and block-sparse patterns
+             shorten the schedule)
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU, half precision; takes
+             an additive bias and a mask, refuses `modify` and V != H by name
+  auto       cudnn where it can run the call (a GPU, bfloat16 / float16, nothing it refuses);
+             on a CPU xla below AUTO_BLOCKWISE_FROM (1024) tokens and blockwise from there on
+             (the crossover of the two measured fwd+bwd on a 2-core CPU); xla otherwise.
+`probabilities` returns the materialised attention weights of the same computation (the
+analyses read them from here).
+"""
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from research.attention import masks
+from research.attention.blockwise import blockwise
+from research.attention.masks import CAUSAL, MaskSpec  # noqa: F401 (re-exported)
+
+BACKENDS = ("auto", "xla", "blockwise", "cudnn")
+# `auto`: blockwise from this length on. Measured fwd+bwd on a 2-core CPU (mixers suite: batch 1,
+# 8 heads, head_dim 64, block 128, fp32), xla / blockwise in ms: 256: 13.4 / 12.6, 512: 34.0 /
+# 29.6, 768: 82.3 / 82.5, 1024: 190 / 123, 2048: 764 / 460. Below 1024 the two are within the
+# machine's noise, and xla is one fused op without the loop overheads; from 1024 blockwise is
+# ahead (1.5x) and the gap grows with the length, as does xla's O(length^2) memory.
+AUTO_BLOCKWISE_FROM = 1024
+LARGE_NEGATIVE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMod:
+  """A change of the attention logits, differentiable in its parameters and float inputs.
+
+  bias(params, q_inputs, k_inputs) -> [B' | 1, N | 1, T, S] (or None), added to the logits;
+  modify(logits [B, N, T, S] float32, params, q_inputs, k_inputs) -> logits, applied after the
+  bias. q_inputs / k_inputs are the rows of the per-token inputs for the queries / keys at hand
+  (a tile, the whole sequence, or a cache). Either may be None.
+  """
+  bias: Optional[Callable] = None
+  modify: Optional[Callable] = None
+
+  @property
+  def additive(self) -> bool:
+    return self.modify is None
+
+  def apply(self, logits_BxNxTxS, params, q_inputs, k_inputs):
+    if self.bias is not None:
+      bias = self.bias(params, q_inputs, k_inputs)
+      if bias is not None:
+        logits_BxNxTxS = logits_BxNxTxS + bias.astype(logits_BxNxTxS.dtype)
+    if self.modify is not None:
+      logits_BxNxTxS = self.modify(logits_BxNxTxS, params, q_inputs, k_inputs)
+    return logits_BxNxTxS
+
+
+def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=None,
+             platform=None):
+  """Why `backend` cannot run a call with these properties ([] when it can)."""
+  platform = platform or jax.default_backend()
+  reasons = []
+  if backend == "cudnn":
+    if platform != "gpu":
+      reasons.append(f"'cudnn' needs a GPU, but JAX runs on {platform!r}")
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+      reasons.append(f"'cudnn' needs bfloat16 or float16 compute, got {jnp.dtype(dtype).name}")
+    if score_mod is not None and not score_mod.additive:
+      reasons.append("'cudnn' takes an additive bias only, not a score `modify` function")
+    if value_dim is not None and head_dim is not None and value_dim != head_dim:
+      reasons.append(f"'cudnn' needs values as wide as keys, got {value_dim} != {head_dim}")
+  elif backend not in BACKENDS:
+    reasons.append(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+  return reasons
+
+
+def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=None, *,
+                 score_mod=None, head_dim=None, value_dim=None):
+  """The backend that `auto` runs for a sequence of `length` tokens: cudnn where it may run
+  (among `backends`, and nothing in the call it refuses); on a CPU xla for short sequences and
+  blockwise from AUTO_BLOCKWISE_FROM tokens on, where skipping masked tiles and never writing
+  the [length, length] scores outweighs the loop's overheads; xla on other devices (set
+  blockwise there explicitly for O(length) memory)."""
+  platform = platform or jax.default_backend()
+  if "cudnn" in backends and not refusals("cudnn", score_mod=score_mod, head_dim=head_dim,
+                                          value_dim=value_dim, dtype=compute_dtype,
+                                          platform=platform):
+    return "cudnn"
+  if platform != "cpu":
+    return "xla"
+  return "blockwise" if length >= AUTO_BLOCKWISE_FROM else "xla"
+
+
+def _sequence_mask(mask, length, segments_BxT):
+  """[B | 1, 1, T, T] bool of a sequence to itself, or None for plain causal attention."""
+  if not mask.window and mask.keep is None and segments_BxT is None:
+    return None
+  index = jnp.arange(length)
+  # In packed documents the sinks of each document are its first tokens.
+  document_index = (None if segments_BxT is None or not mask.sinks
+                    else masks.positions_in_documents(segments_BxT))
+  return mask.allowed(index, index, segments_BxT, segments_BxT, document_index)
+
+
+def grouped_logits(q_BxTxNxH, k_BxSxKxH, scale):
+  """scale q k^T, float32 [B, N, T, S], query head n against key head n // (N / K)."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv_heads = k_BxSxKxH.shape[2]
+  q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv_heads, n // kv_heads, h)
+  logits = jnp.einsum("BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k_BxSxKxH,
+                      preferred_element_type=jnp.float32)
+  return logits.reshape(b, n, t, k_BxSxKxH.shape[1]) * scale
+
+
+def grouped_values(probs_BxNxTxS, v_BxSxKxV):
+  """sum_s p[b, n, t, s] v[b, s, n // G], [B, T, N, V] in float32."""
+  b, n, t, s = probs_BxNxTxS.shape
+  kv_heads = v_BxSxKxV.shape[2]
+  p = probs_BxNxTxS.reshape(b, kv_heads, n // kv_heads, t, s).astype(v_BxSxKxV.dtype)
+  out = jnp.einsum("BKGTS,BSKV->BTKGV", p, v_BxSxKxV, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, n, v_BxSxKxV.shape[-1])
+
+
+def _default_inputs(inputs, length):
+  return jnp.arange(length)[None] if inputs is None else inputs
+
+
+def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_params=(),
+                  inputs=None, mask=CAUSAL, segments_BxT=None):
+  """(float32 attention probabilities [B, N, T, T], the visible keys [B | 1, 1, T, T]) of
+  `attend` with the same arguments, materialised: for analyses and interventions."""
+  t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
+  scale = h ** -0.5 if scale is None else scale
+  inputs = _default_inputs(inputs, t)
+  logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
+  if score_mod is not None:
+    logits = score_mod.apply(logits, score_params, inputs, inputs)
+  index = jnp.arange(t)
+  document_index = (None if segments_BxT is None or not mask.sinks
+                    else masks.positions_in_documents(segments_BxT))
+  visible = mask.allowed(index, index, segments_BxT, segments_BxT, document_index)
+  logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
+  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), visible
+
+
+def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score_params=(),
+           inputs=None, mask=CAUSAL, segments_BxT=None, backend="auto", block_size=128,
+           backends=BACKENDS):
+  """softmax(score_mod(scale q k^T), mask) v of a sequence to itself; see the module docstring.
+
+  scale defaults to 1/sqrt(H); inputs to the positions 0..T-1; `backends` are those the caller
+  allows `auto` to pick from."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv_heads, width = k_BxTxKxH.shape[2], v_BxTxKxV.shape[-1]
+  if n % kv_heads:
+    raise ValueError(f"{kv_heads} key/value heads do not divide {n} query heads")
+  scale = h ** -0.5 if scale is None else scale
+  inputs = _default_inputs(inputs, t)
+  if backend == "auto":
+    backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
+                           value_dim=width)
+  reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width)
+  if reasons:
+    raise ValueError(f"attention backend {backend!r} cannot run this call: {'; '.join(reasons)}")
+  if backend == "blockwise":
+    return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
+                     block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT)
+  visible = _sequence_mask(mask, t, segments_BxT)
+  if (score_mod is None or score_mod.additive) and width == h:
+    bias = None if score_mod is None else score_mod.bias(score_params, inputs, inputs)
+    bias = None if bias is None else bias.astype(q_BxTxNxH.dtype)
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, bias=bias, mask=visible,
+                                        is_causal=visible is None, scale=scale,
+                                        implementation=backend)
+  logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
+  if score_mod is not None:
+    logits = score_mod.apply(logits, score_params, inputs, inputs)
+  if visible is None:
+    visible = mask.allowed(jnp.arange(t), jnp.arange(t))
+  probs = jax.nn.softmax(jnp.where(visible, logits, LARGE_NEGATIVE), axis=-1)
+  return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)

@@ -1,0 +1,97 @@
+"""The README's "Add a variant" example, executed as written: a softmax-family mixer with values
+wider than its queries and keys, and a position scheme with parameters that reads its geometry
+from the mixer, each one file and one registry line, get the conformance suite, both CPU
+backends, windows with sinks, packed documents and decoding with no other edit."""
+
+import os
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import research
+from research import attention, positions
+from tests import test_conformance
+from tests.conftest import tiny_model_config
+
+README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+REGISTRIES = {"research/attention/__init__.py": attention.REGISTRY,
+              "research/positions/__init__.py": positions.REGISTRY}
+
+
+def _readme_blocks():
+  """{path: code} of the README's python blocks that start with a `# research/...` line."""
+  with open(README) as f:
+    text = f.read()
+  section = text[text.index("## Add a variant"):]
+  section = section[:section.index("\n## ", 1)]
+  return {match.group(1): match.group(2)
+          for match in re.finditer(r"```python\n# (research/\S+\.py)[^\n]*\n(.*?)```", section, re.S)}
+
+
+@pytest.fixture(scope="module")
+def readme_variants():
+  """Executes the README's variant files as modules and their registry lines against the real
+  registries; unregisters them afterwards."""
+  blocks = _readme_blocks()
+  files = {path: code for path, code in blocks.items() if path not in REGISTRIES}
+  assert len(files) == 2 and len(blocks) == 4, sorted(blocks)
+  classes = {}
+  for path, code in files.items():
+    module = types.ModuleType(path[:-3].replace("/", "."))
+    exec(compile(code, path, "exec"), module.__dict__)  # noqa: S102 (the README's own code)
+    classes.update({name: value for name, value in vars(module).items()
+                    if isinstance(value, type) and value.__module__ == module.__name__})
+  added = []
+  for path, registry in REGISTRIES.items():
+    before = set(registry)
+    exec(blocks[path], {"REGISTRY": registry, **classes})  # noqa: S102
+    added += [(registry, name) for name in set(registry) - before]
+  assert {name for _, name in added} == {"split_heads", "learned_slopes"}
+  yield
+  for registry, name in added:
+    registry.unregister(name)
+
+
+CASES = [("split_heads", "rope", "xla", None), ("split_heads", "learned_slopes", "blockwise", None),
+         ("split_heads", "alibi", "blockwise", (5, 2)), ("mha", "learned_slopes", "xla", (5, 2))]
+CONFORMANCE = [test_conformance.test_shapes_causality_and_gradients,
+               test_conformance.test_prefill_in_chunks_then_decode_matches_full_forward,
+               test_conformance.test_packed_documents_equal_each_document_alone,
+               test_conformance.test_sharded_equals_unsharded]
+
+
+@pytest.mark.parametrize("check", CONFORMANCE, ids=lambda f: f.__name__.removeprefix("test_"))
+@pytest.mark.parametrize("name,position,backend,window", CASES,
+                         ids=["-".join(str(x) for x in case if x) for case in CASES])
+def test_readme_variants_pass_the_conformance_suite(readme_variants, check, name, position,
+                                                    backend, window):
+  check(name, position, backend, window, "mlp")
+
+
+def test_the_scheme_is_built_for_the_mixers_geometry_and_both_backends_agree(readme_variants):
+  """learned_slopes holds one slope per head of the mixer that uses it (2N with split_heads, N
+  with mha), the values are twice the query width, and blockwise == xla in the logits and in
+  every gradient, the slopes' included."""
+  tokens = jax.random.randint(jax.random.key(0), (2, 19), 0, 61)
+  grads = {}
+  for backend in ("xla", "blockwise"):
+    config = tiny_model_config(attention="split_heads", position="learned_slopes",
+                               attention_backend=backend)
+    model = research.build_model(config, rngs=nnx.Rngs(0))
+    mixer = model.blocks[0].mixer
+    assert mixer.position.slopes.shape == (2 * config.num_heads,)
+    assert mixer.value_head_dim == 2 * mixer.head_dim
+    graphdef, state = nnx.split(model)
+    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
+    grads[backend] = jax.jit(jax.value_and_grad(loss))(state)
+  slopes = grads["xla"][1]["blocks"][0]["mixer"]["position"]["slopes"][...]
+  assert float(jnp.abs(slopes).max()) > 0
+  for got, want in zip(jax.tree.leaves(grads["blockwise"]), jax.tree.leaves(grads["xla"])):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  mha = research.build_model(tiny_model_config(position="learned_slopes"), rngs=nnx.Rngs(0))
+  assert mha.blocks[0].mixer.position.slopes.shape == (4,)
