@@ -1,7 +1,8 @@
 """MHA to GQA uptraining (Ainslie et al., arXiv:2305.13245) at laptop scale.
 
 A multi-head model is trained for N steps; its key and value heads are mean-pooled into GQA
-with K = 1 (MQA) and K = 2 key/value heads (train.init_from, research/init_from.py), evaluated
+with K = 1 (MQA) and K = 2 key/value heads (train.init_from, research/training/init_from.py),
+evaluated
 as converted (0 steps), and uptrained for 5% of N steps (the paper's alpha = 0.05) with a fresh
 optimizer and the same recipe; GQA with the same K trained from scratch for 1.05 N steps is the
 equal-compute baseline. python -m experiments.analyze --analysis=uptraining then tabulates
@@ -21,7 +22,7 @@ paper continues on new pre-training data.
 """
 
 from configs import base
-from research import sweep
+from research.results import sweep
 
 UPTRAIN_FRACTION = 0.05  # of the MHA run's steps (Ainslie et al.: alpha = 0.05)
 KV_HEADS = (1, 2)

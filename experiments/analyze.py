@@ -7,7 +7,8 @@
   python -m experiments.analyze --workdir=runs/demo --analysis=explanation
   python -m experiments.analyze --workdir=runs/gqa --analysis=uptraining,head_importance
 
-Analyses (research.analyze): attention_maps (every layer x head's attention on --text or on a
+Analyses (research.analysis.analyze): attention_maps (every layer x head's attention on --text or
+on a
 repeated random sequence, and the attention mass by distance at 1x and 8x the training length;
 softmax attention only), induction (induction, previous-token and in-context-learning scores at
 every kept checkpoint; see train.keep_checkpoints_at), head_importance (Michel et al.'s head
@@ -23,7 +24,7 @@ from absl import flags
 from absl import logging
 
 from experiments import cli
-from research import analyze
+from research.analysis import analyze
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A trained run (config.json, checkpoints/) or a "
                                "sweep (sweep.json): each finished run is analysed.")

@@ -15,10 +15,10 @@ import sys
 from absl import app
 from absl import flags
 
-from research import checkpoints
-from research import config_fields
-from research import train
-from research import workdir_lock
+from research.runs import checkpoints
+from research.runs import config_fields
+from research.training import loop as train
+from research.runs import lock as workdir_lock
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "On an error, print its traceback too.")
 

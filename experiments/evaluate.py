@@ -10,7 +10,7 @@ The run's own config.json gives everything else. Only evaluation settings may be
 eval.* fields, and model.rope.scaling=NAME (or model.xpos / model.prope), which evaluates
 that scaling as
 --config.eval.rope_scalings='("NAME",)' does (factor eval length / train.seq_len, as
-research.extrapolation applies it). Each evaluation is a
+research.evaluation.extrapolation applies it). Each evaluation is a
 row of RUN/eval.json keyed by the checkpoint step and its settings, appended (settings evaluated
 before are not recomputed, nothing is overwritten); results.csv, summary.md and the figures are
 then redrawn in --workdir. A partially trained run is evaluated at its newest checkpoint.
@@ -23,12 +23,12 @@ from ml_collections import config_flags
 
 from configs import base
 from experiments import cli
-from research import checkpoints
-from research import checks
-from research import config_fields
-from research import extrapolation
-from research import report
-from research import workdirs
+from research.runs import checkpoints
+from research.training import checks
+from research.runs import config_fields
+from research.evaluation import extrapolation
+from research.results import report
+from research.runs import workdirs
 
 _CONFIG = config_flags.DEFINE_config_dict(
     "config", base.get_config(), "Evaluation settings to change: eval.*, model.rope.scaling.")

@@ -6,9 +6,11 @@
       --config.model.rope.scaling_factor=4
 
 Greedy by default (--temperature=0). The prompt is prefilled in one pass, then each new token
-is one jitted decode step (research.generate). Prints the prompt and its continuation, then the
+is one jitted decode step (research.evaluation.generate). Prints the prompt and its continuation,
+then the
 prefill and decode tokens/s (compilation excluded). Only settings that apply the same weights
-differently may be changed with --config (research.generate.GENERATION_FIELDS); the run's own
+differently may be changed with --config (research.evaluation.generate.GENERATION_FIELDS); the
+run's own
 config.json gives everything else. Every check (the workdir, its checkpoint, the settings, the
 lengths) comes before anything is restored or compiled.
 """
@@ -19,7 +21,7 @@ from ml_collections import config_flags
 
 from configs import base
 from experiments import cli
-from research import generate
+from research.evaluation import generate
 
 _CONFIG = config_flags.DEFINE_config_dict(
     "config", base.get_config(),

@@ -7,7 +7,7 @@
 from absl import app
 
 from experiments import cli
-from research import report
+from research.results import report
 
 
 def main(argv):

@@ -21,8 +21,8 @@ from absl import logging
 from ml_collections import config_flags
 
 from experiments import cli
-from research import report
-from research import sweep
+from research.results import report
+from research.results import sweep
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:preset].",
                                           lock_config=True)

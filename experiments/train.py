@@ -13,7 +13,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from experiments import cli
-from research import train
+from research.training import loop as train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:preset].",
                                           lock_config=True)

@@ -1,62 +1,53 @@
-"""Print the attention x position compatibility table with parameter counts, and the
-feed-forwards with theirs (for the README).
+"""The variant tables of README.md and docs/, computed from the registries: mixers, position
+schemes, which pairs are compatible, feed-forwards, and the config sub-dict of each variant.
 
-  python -m experiments.variants [--config.model.d_model=256 ...]
+  python -m experiments.variants [--config.model.d_model=256 ...]   print them at these sizes
+  python -m experiments.variants --write    rewrite the generated blocks of the docs
+  python -m experiments.variants --check    exit 1 if a committed block is out of date
+
+The docs embed each table between `<!-- generated:NAME -->` and `<!-- /generated:NAME -->`,
+computed at the default model config with research.variants.DOCS_MODEL_OVERRIDES (tests/test_docs.py
+runs the check).
 """
 
+import os
+import sys
+
 from absl import app
-from flax import nnx
+from absl import flags
 from ml_collections import config_flags
 
-from research import attention
-from research import feed_forward
-from research import model as model_lib
-from research import positions
+from research import defaults
+from research import variants
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/base.py", "Config for the sizes.")
+_WRITE = flags.DEFINE_bool("write", False, "Rewrite the generated blocks of the docs.")
+_CHECK = flags.DEFINE_bool("check", False, "Exit 1 if a generated block of the docs differs.")
 
 
 def main(argv):
   del argv
-  config = _CONFIG.value.model
-  print(f"Parameters at num_layers={config.num_layers}, d_model={config.d_model}, "
-        f"num_heads={config.num_heads}, num_kv_heads={config.num_kv_heads} (gqa), "
-        f"vocab_size={config.vocab_size}; KV cache / state bytes per sequence at 1024 tokens "
-        f"(float32).\n")
-  names = list(positions.REGISTRY)
-  print("| attention | " + " | ".join(names) + " | parameters | cache bytes @1024 |")
-  print("|---" * (len(names) + 3) + "|")
-  for name, mixer_cls in attention.REGISTRY.items():
-    supported = model_lib.compatible_positions(mixer_cls)
-    config.attention = name
-    config.position = supported[0]
-    model = nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0)))
-    marks = ["yes" if p in supported else "-" for p in names]
-    print(f"| {name} | " + " | ".join(marks) +
-          f" | {model_lib.count_params(model):,} | {model.cache_bytes(1, 1024):,} |")
-  print("\nPosition schemes: the hooks each uses and the parameters it adds to that model (mha).\n")
-  print("| position | hooks | parameters added | per layer |")
-  print("|---|---|---|---|")
-  config.attention, config.position = "mha", "none"
-  plain = model_lib.count_params(nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0))))
-  for name, scheme_cls in positions.REGISTRY.items():
-    config.position = name
-    model = nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0)))
-    hooks = ", ".join(sorted(scheme_cls.hooks())) or "-"
-    per_layer = "no" if scheme_cls.shared_across_layers else "yes"
-    print(f"| {name} | {hooks} | {model_lib.count_params(model) - plain:,} | {per_layer} |")
-  print("\nFeed-forwards (model.feed_forward, every layer; mha, no position scheme): parameters, "
-        "and those a token's matmuls use (a mixture of experts runs top_k of its experts).\n")
-  print("| feed-forward | hyperparameters | parameters | per token |")
-  print("|---|---|---|---|")
-  for name in feed_forward.REGISTRY:
-    config.position, config.feed_forward = "none", name
-    model = nnx.eval_shape(lambda: model_lib.build_model(config, rngs=nnx.Rngs(0)))
-    settings = feed_forward.REGISTRY.settings(name, config)
-    hyperparameters = ", ".join(f"{k}={v}" for k, v in settings.items()) or "-"
-    print(f"| {name} | {hyperparameters} | {model_lib.count_params(model):,} | "
-          f"{model_lib.count_params(model, embeddings=False):,} |")
-
+  if not (_WRITE.value or _CHECK.value):
+    for name, table in variants.markdown_tables(_CONFIG.value.model).items():
+      print(f"{name}:\n\n{table}\n")
+    return
+  model_config = defaults.get_config().model
+  model_config.update(variants.DOCS_MODEL_OVERRIDES)
+  tables = variants.markdown_tables(model_config)
+  stale = variants.stale_files(tables)
+  if _CHECK.value:
+    if stale:
+      print(f"out of date: {', '.join(stale)}; run python -m experiments.variants --write")
+      sys.exit(1)
+    print("the generated tables of the docs are current")
+    return
+  for name in stale:
+    path = os.path.join(variants.ROOT, name)
+    with open(path) as f:
+      text = f.read()
+    with open(path, "w") as f:
+      f.write(variants.embed(text, tables))
+  print(f"rewrote {', '.join(stale)}" if stale else "the generated tables were current")
 
 
 if __name__ == "__main__":

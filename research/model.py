@@ -269,7 +269,8 @@ class LanguageModel(nnx.Module):
 
   def probe(self, tokens_BxL, positions_BxL=None, segments_BxL=None, *, input_offset_BxLxD=None,
             edit_attention=None):
-    """The logits of `__call__` with two hooks for analyses (research.analyze): the embedded
+    """The logits of `__call__` with two hooks for analyses (research.analysis.analyze): the
+    embedded
     input plus `input_offset_BxLxD` (its gradient at zero is the gradient with respect to the
     input embeddings), and each layer l of `edit_attention` ({l: edit}, softmax layers) run
     with its attention probabilities P replaced by edit(P, mask)

@@ -2,7 +2,7 @@
 
 Every parameter carries two pieces of metadata where it is created:
   logical_axes   one name per dimension; `research.sharding` maps names to mesh axes (one table);
-  weight_decay   whether AdamW decays it (`research.train` builds its mask from this alone).
+  weight_decay   whether AdamW decays it (`research.training.loop` builds its mask from this alone).
 """
 
 import math

@@ -68,7 +68,7 @@ def trained_run(tmp_path_factory):
   """(config, workdir) of a tiny run trained to its end (tests/tiny_config.py: 8 steps,
   checkpoints 4 and 8) on a text_dir corpus of one gzip file. Tests that change the workdir work
   on a copy (shutil.copytree)."""
-  from research import train  # noqa: PLC0415 (imported after the JAX set-up above)
+  from research.training import loop as train  # noqa: PLC0415 (imported after the JAX set-up above)
   from tests import tiny_config  # noqa: PLC0415
 
   root = tmp_path_factory.mktemp("trained_run")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from research import analyze
+from research.analysis import analyze
 from tests import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

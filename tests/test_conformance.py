@@ -224,7 +224,7 @@ def test_every_mixer_builds_the_train_state(name):
   """The optimizer's weight-decay mask covers the whole model state (an array attribute of a
   module that is not a declared parameter would fail here, not in the first training run)."""
   from configs import base  # noqa: PLC0415
-  from research import train  # noqa: PLC0415
+  from research.training import loop as train  # noqa: PLC0415
   config = base.get_config()
   config.model = tiny_model_config(attention=name, position="none")
   optimizer, _ = train.make_optimizer(config)

@@ -1,4 +1,5 @@
-"""Tests of research.evaluate and research.bootstrap: per-row sums and their intervals."""
+"""Tests of research.evaluation.evaluate and research.evaluation.bootstrap: per-row sums and their
+intervals."""
 
 import math
 
@@ -7,8 +8,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from research import bootstrap
-from research import evaluate
+from research.evaluation import bootstrap
+from research.evaluation import evaluate
 from research import model as model_lib
 from research import sharding
 

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 import research
-from research import feed_forward, train
+from research import feed_forward
+from research.training import loop as train
 from research.feed_forward import moe
 from tests.conftest import tiny_model_config
 

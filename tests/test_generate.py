@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import generate
+from research.evaluation import generate
 from research import model as model_lib
 from tests.conftest import tiny_model_config
 

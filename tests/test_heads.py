@@ -1,4 +1,4 @@
-"""Head measures (research.heads) on hand-built attention patterns, and the softmax mixer's
+"""Head measures (research.analysis.heads) on hand-built attention patterns, and the softmax mixer's
 attention probabilities against a naive reference from its parameters and against its own output."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import heads
+from research.analysis import heads
 from research import model as model_lib
 from research import positions
 from research.attention import masks

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from research import plots
+from research.results import plots
 
 LENGTHS = (32, 64, 128, 256)
 

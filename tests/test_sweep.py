@@ -11,9 +11,9 @@ import pytest
 
 from research import attention
 from research import data
-from research import eval_results
-from research import report
-from research import sweep
+from research.evaluation import results as eval_results
+from research.results import report
+from research.results import sweep
 from tests import tiny_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,7 +188,7 @@ def test_algorithmic_preset_follows_the_protocol(preset):
 
 
 def _fake_evaluations(config, member_index):
-  """eval.json rows as research.extrapolation writes them, with made-up metrics."""
+  """eval.json rows as research.evaluation.extrapolation writes them, with made-up metrics."""
   rows = []
   depths = data.eval_depths(config)
   for length in config.eval.lengths:

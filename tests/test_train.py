@@ -19,17 +19,17 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from research import checkpoints
+from research.runs import checkpoints
 from research import data
-from research import evaluate
-from research import extrapolation
-from research import generate
-from research import init_from
+from research.evaluation import evaluate
+from research.evaluation import extrapolation
+from research.evaluation import generate
+from research.training import init_from
 from research import model as model_lib
 from research import sharding
-from research import sweep
-from research import train
-from research import workdir_lock
+from research.results import sweep
+from research.training import loop as train
+from research.runs import lock as workdir_lock
 from tests import tiny_config
 from tests.conftest import can_mount_in_a_namespace
 from tests.conftest import tiny_model_config
@@ -290,7 +290,7 @@ def test_tensorboard_events_are_written_without_tensorflow(tmp_path):
 def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path):
   workdir = str(tmp_path / "run")
   holder = subprocess.Popen(
-      [sys.executable, "-c", "import sys, time\nfrom research import workdir_lock\n"
+      [sys.executable, "-c", "import sys, time\nfrom research.runs import lock as workdir_lock\n"
        "with workdir_lock.hold(sys.argv[1]):\n  print('held', flush=True)\n  time.sleep(600)",
        workdir], cwd=ROOT, env=_env(1), stdout=subprocess.PIPE, text=True)
   try:

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from research import eval_results
-from research import extrapolation
-from research import report
-from research import train
+from research.evaluation import results as eval_results
+from research.evaluation import extrapolation
+from research.results import report
+from research.training import loop as train
 from tests import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,8 @@ S tokens of each document.
 Local attention over the last W tokens (Longformer, arXiv:2004.05150) plus the first S tokens
 that every query keeps seeing (attention sinks, StreamingLLM, arXiv:2309.17453); W = 0 is full
 causal attention. A block-sparse pattern (`MaskSpec.keep`, e.g. the Sparse Transformer's strided
-pattern, arXiv:1904.10509) is a further predicate keep(i, j) of the two token indices. Indices i, j count tokens (in decoding: tokens since the start of the cache),
+pattern, arXiv:1904.10509) is a further predicate keep(i, j) of the two token indices. Indices i, j
+count tokens (in decoding: tokens since the start of the cache),
 never the position scheme's positions, which may restart at each document.
 
 Segments are per-token document ids [B, L], non-decreasing along each row: a packed row of
@@ -144,7 +145,8 @@ class MaskSpec:
   """Which keys each query sees, declared: always causal (by token index), a sliding window of
   the last `window` keys (0: all) with the first `sinks` tokens of each document kept, and
   `keep(i, j)`, a block-sparse pattern of query index i and key index j, [T, 1] and [1, S]
-  integer arrays, which must keep each query's own key. `keep` is written with operators only (%, //, <, ==, &, |), so that it runs on
+  integer arrays, which must keep each query's own key. `keep` is written with operators only (%,
+  //, <, ==, &, |), so that it runs on
   numpy arrays (the tile schedule, computed once at trace time) and on traced ones (the mask
   inside a tile); it must be a pure function of the two indices. Segments (packed documents) are
   data, passed beside the spec. The blockwise backend never visits a tile the spec rules out.

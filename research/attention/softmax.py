@@ -174,13 +174,15 @@ class SoftmaxAttention(base.Mixer):
 
   def attention_weights(self, x_BxLxD, positions_BxL, segments_BxL=None):
     """The attention probabilities of `__call__`, float32 [B, N, L (query), L (key)], for
-    inspection (research.heads): the core's logits, mask (causal, window and sinks, segments)
+    inspection (research.analysis.heads): the core's logits, mask (causal, window and sinks,
+    segments)
     and float32 softmax, materialised."""
     return self._probabilities(x_BxLxD, positions_BxL, segments_BxL)[0]
 
   def with_edited_weights(self, x_BxLxD, positions_BxL, segments_BxL, edit):
     """`__call__` with the probabilities P replaced by edit(P, mask) (mask [B | 1, 1, L, L]:
-    the visible keys), for interventions (research.analyze's permutation test): sum_s P'[n, t, s]
+    the visible keys), for interventions (research.analysis.analyze's permutation test): sum_s
+    P'[n, t, s]
     v[s, n // G] through the output projection; edit = lambda p, m: p gives `__call__`."""
     probs_BxNxLxL, visible, tokens = self._probabilities(x_BxLxD, positions_BxL, segments_BxL)
     values = tokens["value"]

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs import base
+from research import defaults
 import research
 from research import attention
 from research.bench import report
@@ -46,7 +46,7 @@ def _grows(config):
 
 
 def model_config(variant, dtype):
-  config = base.get_config().model
+  config = defaults.get_config().model
   config.update(num_layers=LAYERS, d_model=D_MODEL, num_heads=HEADS, position="none",
                 compute_dtype=dtype, **variants()[variant])
   return config

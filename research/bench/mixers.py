@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs import base
+from research import defaults
 from research import positions
 from research.attention import reference
 from research.attention import core
@@ -78,7 +78,7 @@ def _blockwise(q, k, v):
 
 def _bias_kernel(name):
   """blockwise attention with scheme `name`'s score bias, at its default settings."""
-  config = base.get_config().model
+  config = defaults.get_config().model
   config.update(dict(position=name, num_heads=HEADS, d_model=HEADS * HEAD_DIM))
   graphdef, params = nnx.split(positions.build(config, rngs=nnx.Rngs(0)))
 

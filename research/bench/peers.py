@@ -4,8 +4,10 @@ Cases, fp32, the same shapes, parameter counts and batches on both sides (resear
 peers_torch.py is the PyTorch side):
   train        one training step of the training suite's reference model (mha + RoPE, 2 layers,
                d_model 128, 4 heads, byte vocabulary, batch 32 x 128): the project's step (jax.jit
-               of value_and_grad and research.train.make_optimizer's optax chain, global-norm
-               clipping and AdamW, parameters and optimizer state donated: research.train's step
+               of value_and_grad and research.training.loop.make_optimizer's optax chain,
+               global-norm
+               clipping and AdamW, parameters and optimizer state donated: research.training.loop's
+               step
                without its metrics) against a nanoGPT-style PyTorch model (F.scaled_dot_product_
                attention(is_causal=True), clip_grad_norm_, torch.optim.AdamW), eager and
                torch.compile'd (a failure to compile is recorded as skipped, with its reason);
@@ -56,7 +58,7 @@ import optax
 from flax import nnx
 
 from research import model as model_lib
-from research import train as train_lib
+from research.training import loop as train_lib
 from research.bench import decode as decode_bench
 from research.bench import mixers
 from research.bench import report

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs import base
+from research import defaults
 from research import attention
 from research import model as model_lib
 from research.bench import mixers
@@ -41,7 +41,7 @@ TARGETS = {"speedup": 5.0, "memory_growth": 10.0}
 
 
 def mixer_config(name, dtype):
-  config = base.get_config().model
+  config = defaults.get_config().model
   config.update(attention=name, position="none", num_layers=1,
                 d_model=mixers.HEADS * mixers.HEAD_DIM, num_heads=mixers.HEADS,
                 compute_dtype=jnp.dtype(dtype).name)

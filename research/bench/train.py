@@ -1,4 +1,4 @@
-"""Training throughput and MFU: the shared loop (research.train) against a minimal step.
+"""Training throughput and MFU: the shared loop (research.training.loop) against a minimal step.
 
 For each variant at one reference model size (2 layers, d_model 128, 4 heads; the issue's CPU
 reference), tokens per second of the whole training loop (data, sharded jit step, metrics), read
@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from configs import base
+from research import defaults
 from research import attention
 from research import data
 from research import flops
 from research import positions
 from research import model as model_lib
-from research import train as train_lib
+from research.training import loop as train_lib
 from research.bench import report
 
 QUICK_VARIANTS = (("mha", "rope"), ("linear", "rope"))
@@ -54,7 +54,7 @@ PACKING_TARGET = 0.9  # documents / concat tokens/s
 
 
 def reference_config(attention, position, seq_len, num_steps, dtype):
-  config = base.get_config()
+  config = defaults.get_config()
   config.model.update(dict(attention=attention, position=position, num_layers=2, d_model=128,
                            num_heads=4, num_kv_heads=2, compute_dtype=dtype))
   config.train.update(dict(seq_len=seq_len, batch_size=max(TOKENS_PER_BATCH // seq_len, 1),
@@ -191,7 +191,8 @@ SUITE = report.Suite(
     name="train",
     description=(
         "Training tokens/s and MFU at the reference size (2 layers, d_model 128, 4 heads, "
-        f"{TOKENS_PER_BATCH} tokens per batch): the shared loop (`research.train`, metrics.jsonl, "
+        f"{TOKENS_PER_BATCH} tokens per batch): the shared loop (`research.training.loop`, "
+        "metrics.jsonl, "
         "compilation excluded) against a minimal hand-written Flax NNX step on the same batches; "
         "and the loop with packed documents (data.packing=documents) against concatenated "
         "windows (concat), alternating runs, median tokens/s."),

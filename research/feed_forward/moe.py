@@ -112,7 +112,7 @@ class MixtureOfExperts(base.FeedForward):
     logits_BxLxX, probs_BxLxX, weights_BxLxX, chosen_BxLxX = self.route(x_BxLxD)
     hidden_BxLxXxF = jax.nn.gelu(self.up(x_BxLxD))
     y_BxLxD = self.down(hidden_BxLxXxF * weights_BxLxX[..., None].astype(hidden_BxLxXxF.dtype))
-    if base.capturing(self):  # the training loss (research/train.py)
+    if base.capturing(self):  # the training loss (research/training/loop.py)
       balance = load_balancing_loss(probs_BxLxX, chosen_BxLxX)
       z_loss = router_z_loss(logits_BxLxX)
       self.sow(base.AuxiliaryLoss, "load_balancing_loss", balance)

@@ -19,13 +19,13 @@ from typing import Callable
 
 import ml_collections
 
-from research import checks
-from research import config_fields
-from research import extrapolation
+from research.training import checks
+from research.runs import config_fields
+from research.evaluation import extrapolation
 from research import model as model_lib
-from research import train
-from research import workdir_lock
-from research import workdirs
+from research.training import loop as train
+from research.runs import lock as workdir_lock
+from research.runs import workdirs
 
 
 @dataclasses.dataclass

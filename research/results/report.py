@@ -1,7 +1,7 @@
 """Results files of a run or a sweep, from the runs' eval.json files alone: DIR/results.csv
-(tidy), DIR/summary.md and the figures (research.plots).
+(tidy), DIR/summary.md and the figures (research.results.plots).
 
-results.csv has one row per run x evaluation (research.eval_results: checkpoint step x eval
+results.csv has one row per run x evaluation (research.evaluation.results: checkpoint step x eval
 length x mode x RoPE scaling x evaluated text x needle depth), with the columns run, attention,
 position, seed, train_length, train_steps, step, eval_length, eval_mode, rope_scaling,
 num_tokens, sliding_stride, bootstrap_samples, bootstrap_seed, loss, perplexity, accuracy,
@@ -16,17 +16,16 @@ step is labelled with the step.
 
 import collections
 import csv
-import functools
 import math
 import os
 from typing import NamedTuple
 
-from configs import base as configs_base
-from research import config_fields
+from research.runs import config_fields
 from research import data
-from research import eval_results
-from research import sweep as sweep_lib
-from research import workdirs
+from research.evaluation import results as eval_results
+from research.results import sweep as sweep_lib
+from research.results.tables import aggregate, intervals, scaled_label, swept_keys, variant_label
+from research.runs import workdirs
 
 INTERVAL_METRICS = ("loss", "perplexity", "accuracy", "exact_match")
 CI_COLUMNS = tuple(f"{m}_ci_{end}" for m in INTERVAL_METRICS for end in ("low", "high"))
@@ -88,66 +87,6 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
   return rows, without
 
 
-# values that name themselves
-BARE_KEYS = ("model.attention", "model.position", "data.name", "data.packing")
-OFF_VALUES = ("0", "0.0", "none", "False", "()")
-OFF_VALUES_OF = {"data.packing": ("concat",)}  # a field's value that means "as before it existed"
-
-
-def _is_off(key, value):
-  if key in OFF_VALUES_OF:
-    return str(value) in OFF_VALUES_OF[key]
-  return key not in BARE_KEYS and str(value) in OFF_VALUES
-
-
-LEADING_KEYS = ("data.name", "model.attention", "model.position")  # labels start with these
-
-
-@functools.lru_cache(maxsize=1)
-def _config_order() -> dict:
-  return {name: i for i, name in enumerate(config_fields.flatten(configs_base.get_config()))}
-
-
-def _label_order(key):
-  """The dataset, attention and position first, then the other fields in configs/base.py's
-  order (model.softmax.window before model.softmax.sinks)."""
-  if key in LEADING_KEYS:
-    return (LEADING_KEYS.index(key), 0)
-  return (len(LEADING_KEYS), _config_order().get(key, len(_config_order())))
-
-
-def variant_label(row: dict, swept_keys: list[str]) -> str:
-  """'mha / alibi' (swept values, seed left out; the run's name if nothing is swept), with the
-  checkpoint step if it is not the run's last. A swept setting that is off in this run (0,
-  none, False, empty; data.packing=concat) is left out: 'rope' beside 'rope /
-  randomize_max_length=2048', 'mha / alibi' beside 'mha / alibi / documents' and
-  'mha / rope / window=128 / sinks=4'."""
-  parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
-           for k in sorted(swept_keys, key=_label_order)
-           if k != "train.seed" and row.get(k) not in (None, "") and not _is_off(k, row[k])]
-  label = " / ".join(parts) or row["run"]
-  step = row.get("step")
-  return label if step is None or step == row["train_steps"] else f"{label} @step {step}"
-
-
-def scaled_label(variant: str, rope_scaling: str) -> str:
-  return variant if rope_scaling == "none" else f"{variant} +{rope_scaling}"
-
-
-def swept_keys(rows: list[dict]) -> list[str]:
-  return [k for k in (rows[0] if rows else {}) if "." in k]
-
-
-def aggregate(rows: list[dict], metric: str) -> dict:
-  """{(eval_mode, variant, rope_scaling): {eval_length: [metric per seed]}}."""
-  keys = swept_keys(rows)
-  table = collections.defaultdict(lambda: collections.defaultdict(list))
-  for row in rows:
-    variant = variant_label(row, keys)
-    table[(row["eval_mode"], variant, row["rope_scaling"])][row["eval_length"]].append(row[metric])
-  return table
-
-
 def _mean_std(values):
   mean = sum(values) / len(values)
   std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
@@ -163,13 +102,6 @@ def _summary_cell(values, lows, highs, best):
   if lows:
     text += f" [{_mean_std(lows)[0]:.3f}, {_mean_std(highs)[0]:.3f}]"
   return text
-
-
-def intervals(rows, metric):
-  """aggregate() of the metric's interval bounds over the rows that have them (rows evaluated
-  before intervals existed have none)."""
-  rows = [row for row in rows if f"{metric}_ci_low" in row]
-  return aggregate(rows, f"{metric}_ci_low"), aggregate(rows, f"{metric}_ci_high")
 
 
 def _depth_lines(rows, metric, best):
@@ -241,11 +173,11 @@ class Written(NamedTuple):
 
 
 def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
-  """Draws the figures of the results (research.plots) into `workdir`; returns their names:
+  """Draws the figures of the results (research.results.plots) into `workdir`; returns their names:
   extrapolation.png and loss_by_position.png always, rope_scaling.png with RoPE-scaled rows,
   needle_heatmap.png and lost_in_the_middle.png with needle depths, tasks.png over several tasks,
   width.png over several widths (these two of the unscaled rows)."""
-  from research import plots  # noqa: PLC0415 (matplotlib only when drawing)
+  from research.results import plots  # noqa: PLC0415 (matplotlib only when drawing)
 
   plain = [row for row in rows if row["rope_scaling"] == "none"]
   rope_runs = {row["run"] for row in rows if row["rope_scaling"] != "none"}

@@ -11,7 +11,7 @@ checkpoint is left as it was.
 
 Kept: the latest `keep` checkpoints, and those of the steps `keep_at` whatever their age
 (train.keep_checkpoints and train.keep_checkpoints_at: checkpoints over training, for
-research.analyze).
+research.analysis.analyze).
 
 Restoring walks back from the latest step to the newest checkpoint that restores. Unreadable
 ones newer than it (a truncated or damaged file) are moved to DIR/checkpoints_unreadable/, kept
@@ -118,7 +118,7 @@ def _move_aside(checkpoint_manager, bad_steps):
       while os.path.exists(target):  # the same step may go bad twice
         target, suffix = os.path.join(aside, f"{step}.{suffix}"), suffix + 1
       shutil.move(os.path.join(str(checkpoint_manager.directory), str(step)), target)
-  multihost_utils.sync_global_devices("research.checkpoints.move_aside")
+  multihost_utils.sync_global_devices("research.runs.checkpoints.move_aside")
   checkpoint_manager.reload()
   return aside
 

@@ -10,11 +10,12 @@
                   the induction and previous-token scores of every head on [A; A]
                   (A = train.seq_len / 2 random tokens) and, for language modeling, the
                   in-context-learning score on validation windows of train.seq_len tokens
-                  (research.heads); mixers without maps (linear, retention, mamba) get the ICL
+                  (research.analysis.heads); mixers without maps (linear, retention, mamba) get the
+                  ICL
                   score alone (scores.csv, induction.png).
   head_importance mixers with heads (softmax, linear attention, retention): each head's
                   importance I_h = E |dL/dxi_h| for a head mask xi (Michel et al.,
-                  arXiv:1905.10650; research.heads), then iterative pruning by importance
+                  arXiv:1905.10650; research.analysis.heads), then iterative pruning by importance
                   against random order: perplexity (accuracy for tasks) against the fraction
                   of heads removed (pruning.png, pruning.csv, importance.csv); for
                   grouped-query runs also by whole key/value groups (order kv_groups); newest
@@ -28,7 +29,8 @@
                   its visible keys (--num_permutations); explanation.png, explanation.csv;
                   newest checkpoint.
   uptraining      any run: validation perplexity at the training length (its evaluation,
-                  research.extrapolation) against decode-cache bytes at that length, and how the
+                  research.evaluation.extrapolation) against decode-cache bytes at that length, and
+                  how the
                   run came to be: trained from scratch, converted from another run's MHA by
                   mean-pooling key/value heads (train.init_from, 0 steps), or uptrained after
                   the conversion (Ainslie et al., arXiv:2305.13245; configs/gqa_uptraining.py);
@@ -50,21 +52,21 @@ import numpy as np
 import optax
 from flax import nnx
 
-from configs import base as configs_base
+from research import defaults
 from research import attention
-from research import checkpoints
-from research import config_fields
+from research.runs import checkpoints
+from research.runs import config_fields
 from research import data
-from research import eval_results
-from research import evaluate
-from research import generate
-from research import head_plots
-from research import heads
-from research import init_from
+from research.evaluation import results as eval_results
+from research.evaluation import evaluate
+from research.evaluation import generate
+from research.analysis import plots as head_plots
+from research.analysis import heads
+from research.training import init_from
 from research import model as model_lib
 from research import positions
 from research import sharding
-from research import workdirs
+from research.runs import workdirs
 from research.attention import masks
 
 # Jain & Wallace's caveat, written next to every attention-map figure.
@@ -95,9 +97,9 @@ def _map_layers(config) -> list[int]:
 
 
 def _multi_head_variants() -> list[str]:
-  """The registered mixers whose output mixes heads (research.heads.output_projections)."""
+  """The registered mixers whose output mixes heads (research.analysis.heads.output_projections)."""
   def has_heads(name):
-    model_config = configs_base.get_config().model
+    model_config = defaults.get_config().model
     model_config.update(dict(attention=name, position="none", layer_pattern=()))
     model = nnx.eval_shape(lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))
     return any(heads.output_projections(model))

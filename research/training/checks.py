@@ -6,8 +6,8 @@ import os
 
 import ml_collections
 
-from research import checkpoints
-from research import config_fields
+from research.runs import checkpoints
+from research.runs import config_fields
 from research import data
 from research import model as model_lib
 from research import positions
@@ -102,7 +102,8 @@ def validate_config(config, num_devices, process_count=1):
 
 def check_workdir(workdir, config: ml_collections.ConfigDict):
   """The workdir must be writable and, if it holds a checkpointed run, one that trains the same
-  as `config` (research.config_fields: evaluation settings, new fields at their defaults and the
+  as `config` (research.runs.config_fields: evaluation settings, new fields at their defaults and
+  the
   like may differ). A run without a checkpoint may restart with any config. Creates nothing."""
   check_writable(workdir)
   saved_path = os.path.join(workdir, "config.json")

@@ -1,7 +1,8 @@
 """Length extrapolation: evaluate a trained run at every eval length and mode, without retraining.
 
 For each length in config.eval.lengths and mode in config.eval.modes, one row with loss,
-perplexity, accuracy and exact match, their 95% bootstrap intervals (research.evaluate), and the
+perplexity, accuracy and exact match, their 95% bootstrap intervals (research.evaluation.evaluate),
+and the
 loss at each token position. Needle tasks get one row per depth in config.eval.depths, each with
 its `depth`, and a row without a depth that pools every depth's examples; all of them record the
 evaluated `depths`. Runs with a rotary scheme (rope, xpos, prope) get extra rows for each scaling
@@ -9,8 +10,9 @@ in config.eval.rope_scalings (PI, static / dynamic NTK, YaRN; research.positions
 s = max(1, eval_length / train_length): the same weights, a different scaling, evaluated with
 non-overlapping windows. Tasks have a single mode (exact answers).
 
-`evaluate_run` evaluates a run's newest readable checkpoint (research.checkpoints) at the
-settings that its RUN/eval.json has no row for yet and appends their rows (research.eval_results),
+`evaluate_run` evaluates a run's newest readable checkpoint (research.runs.checkpoints) at the
+settings that its RUN/eval.json has no row for yet and appends their rows
+(research.evaluation.results),
 holding the workdir's writer lock; it never retrains.
 """
 
@@ -22,14 +24,14 @@ import jax
 import ml_collections
 from flax import nnx
 
-from research import checkpoints
+from research.runs import checkpoints
 from research import data
-from research import eval_results
-from research import evaluate
+from research.evaluation import results as eval_results
+from research.evaluation import evaluate
 from research import model as model_lib
 from research import positions
 from research import sharding
-from research import workdir_lock
+from research.runs import lock as workdir_lock
 from research.data import validation
 from research.positions import rope
 

@@ -7,7 +7,7 @@ import os
 
 import ml_collections
 
-from research import config_fields
+from research.runs import config_fields
 
 SWEEP_FILE = "sweep.json"
 

@@ -19,14 +19,14 @@ import os
 from flax import nnx
 
 from research import attention
-from research import checkpoints
-from research import config_fields
+from research.runs import checkpoints
+from research.runs import config_fields
 from research import model as model_lib
 from research import sharding
 from research.attention import convert
 
 # Model fields that may differ between the source and this run, besides those that do not
-# change training (research.config_fields: the rotary context extensions, the softmax backend):
+# change training (research.runs.config_fields: the rotary context extensions, the softmax backend):
 # the key/value heads, and the compute dtype the same parameters are applied in.
 CONVERTIBLE_FIELDS = ("model.attention", "model.num_kv_heads", "model.layer_pattern",
                       "model.compute_dtype")

@@ -1,4 +1,5 @@
-"""Figures from results rows alone (research.report: one row per run x evaluation); research.report
+"""Figures from results rows alone (research.results.report: one row per run x evaluation);
+research.results.report
 saves them (`save`) as
 
   extrapolation.png     perplexity (or task accuracy) against evaluation length, log axes with
@@ -35,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
-from research import report  # noqa: E402
+from research.results import tables as report  # noqa: E402
 
 LINE_STYLES = ("--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))  # of the RoPE scalings; unscaled: solid
 

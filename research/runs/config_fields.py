@@ -4,13 +4,13 @@ new one, and the closest field to a misspelt name.
 A workdir's identity is the set of fields that change training. Not part of it:
   - evaluation settings: eval.*, and the context extension of the rotary schemes
     (model.rope.scaling, its scaling_factor and original_length; the same in model.xpos and
-    model.prope), which research.extrapolation sets per evaluation length;
+    model.prope), which research.evaluation.extrapolation sets per evaluation length;
   - how the run is carried out: logging, validation and checkpoint cadence, TensorBoard, the
     mesh, the processes, where prepared data lives, and the softmax backend
     (model.attention_backend: every backend computes the same attention, so a run trained with
     xla may resume with auto, or move to cudnn on a GPU).
 A field that a saved config predates counts as unchanged while it has its default
-(configs/base.py): the default reproduces what the code did before the field existed.
+(research/defaults.py): the default reproduces what the code did before the field existed.
 """
 
 import difflib
@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
-from configs import base
+from research import defaults
 from research import positions
 
 ROTARY_SCALING_FIELDS = tuple(
@@ -61,15 +61,15 @@ def changes_training(name: str) -> bool:
 def training_differences(saved: Mapping, current: ml_collections.ConfigDict) -> list[str]:
   """'field: saved -> current' for every field that changes training and differs between a saved
   config (the nested dict of a config.json) and `current`; empty if they train the same run."""
-  saved, current, defaults = flatten(saved), flatten(current), flatten(base.get_config())
+  saved, current, default = flatten(saved), flatten(current), flatten(defaults.get_config())
   differences = []
   for name in sorted(saved.keys() | current.keys()):
     if not changes_training(name):
       continue
     if name not in saved:
-      if current[name] != defaults.get(name):
+      if current[name] != default.get(name):
         differences.append(f"{name}: absent (the run predates it; its default is "
-                           f"{defaults.get(name)!r}) -> {current[name]!r}")
+                           f"{default.get(name)!r}) -> {current[name]!r}")
     elif name not in current:
       differences.append(f"{name}: {saved[name]!r} -> absent (this code has no such field)")
     elif saved[name] != current[name]:
@@ -91,7 +91,7 @@ def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
   """A saved config (nested dict, read from `source`) over the current defaults, so fields that
   it predates take their defaults (see training_differences)."""
   saved = flatten(saved)
-  config = base.get_config()
+  config = defaults.get_config()
   unknown = sorted(saved.keys() - flatten(config).keys())
   if unknown:
     raise ValueError(f"{source} has fields this code does not know ({', '.join(unknown)}); use "

@@ -1,4 +1,4 @@
-"""Figures of research.analyze, from the measures of research.heads:
+"""Figures of research.analysis.analyze, from the measures of research.analysis.heads:
 
   attention_grid        a panel per layer x head: the attention probabilities (query rows, key
                         columns), square-root colour scale so that small weights show
@@ -27,10 +27,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib import colors as mcolors  # noqa: E402
 
-from research import plots  # noqa: E402
+from research.results import plots  # noqa: E402
 
 save = plots.save
-# Pruning orders (research.analyze.head_importance) and their line styles.
+# Pruning orders (research.analysis.analyze.head_importance) and their line styles.
 ORDER_STYLES = {"importance": "-", "random": "--", "kv_groups": ":"}
 
 

@@ -14,7 +14,7 @@ class MetricWriter:
       self._drop_records_after(resume_step)
     self.tensorboard = None
     if enabled and tensorboard:
-      from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional; checked in research.checks)
+      from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional; checked in research.training.checks)
 
       self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
 

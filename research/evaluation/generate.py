@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from research import checkpoints
-from research import config_fields
+from research.runs import checkpoints
+from research.runs import config_fields
 from research import data
 from research import model as model_lib
 from research import positions
 from research import sharding
-from research import workdirs
+from research.runs import workdirs
 from research.data import vocab
 
 # Config fields a generation may change: they change how the trained weights are applied, not

@@ -4,9 +4,9 @@
           donate_argnums=0)
 over a (data, fsdp, tensor) device mesh, parameters sharded by their logical axis names
 (research.sharding.RULES) and created already sharded; AdamW with warmup + cosine decay and
-global-norm clipping (optax); asynchronous, atomic orbax checkpoints (research.checkpoints);
+global-norm clipping (optax); asynchronous, atomic orbax checkpoints (research.runs.checkpoints);
 resume by rerunning the same command (the batch of step s is a pure function of seed, s and
-process, so resuming needs no data state). One writer per workdir (research.workdir_lock). Runs
+process, so resuming needs no data state). One writer per workdir (research.runs.lock). Runs
 unchanged on CPU, GPU or TPU, one process or many (jax.distributed).
 
 The objective is the mean next-token cross-entropy over the scored tokens plus the auxiliary
@@ -26,17 +26,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from research import checkpoints
-from research import checks
+from research.runs import checkpoints
+from research.training import checks
 from research import data
-from research import evaluate
+from research.evaluation import evaluate
 from research import feed_forward
 from research import flops
-from research import init_from
+from research.training import init_from
 from research import model as model_lib
 from research import sharding
-from research import workdir_lock
-from research.metrics import MetricWriter
+from research.runs import lock as workdir_lock
+from research.training.metrics import MetricWriter
 
 class NonFiniteLossError(RuntimeError):
   pass

@@ -9,7 +9,8 @@ its own document, and END_OF_DOCUMENT inputs are not scored. For tasks, accuracy
 over the scored (answer) positions, per token and per sequence.
 
 The jitted step returns sums per row (window or example), so every metric also gets a 95%
-percentile bootstrap interval over rows (research.bootstrap): loss = sum nll / sum tokens,
+percentile bootstrap interval over rows (research.evaluation.bootstrap): loss = sum nll / sum
+tokens,
 perplexity = exp(loss), accuracy = sum correct / sum tokens, exact_match = rows entirely right /
 rows.
 """
@@ -22,7 +23,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from research import bootstrap
+from research.evaluation import bootstrap
 from research import data
 from research import sharding
 

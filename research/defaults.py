@@ -1,0 +1,112 @@
+"""The config schema: every field the library reads, with its default (configs/base.py serves it
+to the command line; research/ reads it from here, so configs/ imports research and never the
+other way round).
+
+Experiment files start from `get_config()` and change what they need. Any field can be
+overridden on the command line, e.g.
+
+  python -m experiments.train --config=configs/base.py --workdir=/tmp/run \
+      --config.model.attention=gqa --config.model.num_kv_heads=2
+"""
+
+import ml_collections
+
+from research import variants
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+
+  config.model = ml_collections.ConfigDict()
+  m = config.model
+  m.attention = "mha"  # research.attention.REGISTRY (python -m experiments.variants lists them)
+  m.position = "rope"  # research.positions.REGISTRY
+  m.layer_pattern = ()  # hybrids, e.g. ("mamba", "mamba", "mha"), tiled to num_layers
+  m.num_layers = 2
+  m.d_model = 128
+  m.num_heads = 4
+  m.num_kv_heads = 4  # gqa only; mha uses num_heads, mqa uses 1
+  m.feed_forward = "mlp"  # research.feed_forward.REGISTRY: mlp | moe (mixture of experts)
+  m.feed_forward_pattern = ()  # per layer, tiled to num_layers: Jamba's ("mlp", "moe")
+  m.mlp_ratio = 4  # hidden width / d_model of the MLP and of each expert; 0 drops the feed-forward
+  m.vocab_size = 258  # 256 bytes + end-of-document + padding
+  # softmax attention: auto (by length and device) | xla | blockwise | cudnn
+  m.attention_backend = "auto"
+  m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
+  m.randomize_max_length = 0  # > 0: randomized positions in [0, M) in training (arXiv:2305.16843)
+  # Each registered mixer, position scheme and feed-forward declares its own hyperparameters;
+  # they appear here as sub-dicts under their names, e.g. model.rope.scaling, model.fire.hidden,
+  # model.softmax.block_size, model.linear.chunk_size, model.mamba.state_size, model.moe.top_k.
+  for key, settings in variants.default_settings().items():
+    m[key] = ml_collections.ConfigDict(settings)
+
+  config.data = ml_collections.ConfigDict()
+  d = config.data
+  d.name = "stdlib_bytes"  # research.data.NAMES: corpora, synthetic tasks, needle tasks
+  d.dir = ""  # prepared datasets; "" means $RESEARCH_DATA_DIR or ~/.cache/research_data
+  d.corpus_path = ""  # text_dir: a directory or glob of text files
+  d.task_vocab_size = 16  # synthetic tasks: number of symbol tokens
+  d.train_min_length = 1  # synthetic tasks: training lengths U(min, max) in symbols
+  d.train_max_length = 40
+  d.num_kv_pairs = 8  # mqar
+  d.num_train_examples = 100_000  # synthetic tasks
+  d.num_eval_examples = 256  # synthetic and needle tasks, per evaluation length (and depth)
+  d.needle_value_digits = 5  # needle tasks: digits of the pass key / magic numbers
+  d.num_distractors = 3  # needle_multikey: needles of other keys
+  d.num_values = 4  # needle_multivalue: values of the asked key
+  # Language modeling: "concat" cuts training and evaluation windows from the token stream across
+  # document boundaries; "documents" adds per-token segment ids and positions so that a token
+  # sees only its own document, and leaves END_OF_DOCUMENT unscored (research/data/packing.py).
+  d.packing = "concat"
+
+  config.train = ml_collections.ConfigDict()
+  t = config.train
+  t.num_steps = 200
+  t.batch_size = 32  # global, over all processes
+  t.seq_len = 128
+  t.learning_rate = 3e-3
+  t.warmup_steps = 50
+  t.end_learning_rate_fraction = 0.1
+  t.weight_decay = 0.1
+  t.grad_clip_norm = 1.0
+  t.grad_accum_steps = 1
+  t.seed = 0
+  t.log_every = 20
+  t.eval_every = 0  # validation loss every N steps; 0: only at the end
+  t.eval_batches = 4
+  t.checkpoint_every = 100
+  t.keep_checkpoints = 2
+  # Steps whose checkpoints are never rotated out (saved even off checkpoint_every), e.g.
+  # log-spaced to watch heads form over training (python -m experiments.analyze
+  # --analysis=induction reads every kept checkpoint).
+  t.keep_checkpoints_at = ()
+  t.tensorboard = False
+  # Start from another run's final parameters with a fresh optimizer
+  # (research/training/init_from.py):
+  # a run directory, relative to the one that holds this workdir (in a sweep: a member's name).
+  # MHA converts to GQA with fewer key/value heads by mean-pooling (arXiv:2305.13245); with
+  # num_steps = 0 the converted model is saved as checkpoint 0 and evaluated as it is.
+  t.init_from = ""
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.shape = (-1, 1, 1)  # sizes of the (data, fsdp, tensor) axes; -1 fills
+
+  config.distributed = ml_collections.ConfigDict()
+  config.distributed.coordinator_address = ""  # "host:port" turns on jax.distributed
+  config.distributed.num_processes = 1
+  config.distributed.process_id = 0
+
+  config.eval = ml_collections.ConfigDict()
+  e = config.eval
+  e.lengths = (128, 256, 512, 1024)
+  e.modes = ("nonoverlapping", "sliding")
+  e.sliding_stride = 0  # 0: half the training length
+  e.num_tokens = 16384  # scored tokens per (length, mode), taken from the same text
+  e.batch_size = 8
+  # Extra rows for runs with a rotary scheme, each scaling at s = eval length / train length:
+  # any of research.positions.SCALINGS, e.g. ("pi", "static_ntk", "dynamic_ntk", "yarn").
+  e.rope_scalings = ()
+  e.depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle tasks: where the needle sits, 0 first, 1 last
+  e.bootstrap_samples = 1000  # resamples of the 95% intervals over windows / examples
+  e.bootstrap_seed = 0
+  return config
