@@ -8,8 +8,7 @@
   python -m experiments.analyze --workdir=runs/gqa --analysis=uptraining,head_importance
 
 Analyses (research.analysis.analyze): attention_maps (every layer x head's attention on --text or
-on a
-repeated random sequence, and the attention mass by distance at 1x and 8x the training length;
+on a repeated random sequence, and the attention mass by distance at 1x and 8x the training length;
 softmax attention only), induction (induction, previous-token and in-context-learning scores at
 every kept checkpoint; see train.keep_checkpoints_at), head_importance (Michel et al.'s head
 importance and iterative pruning against random order; for GQA also by key/value group),

@@ -185,29 +185,27 @@ class LanguageModel(nnx.Module):
     self.randomize_max_length = int(model_config.randomize_max_length)
     scheme = positions_lib.REGISTRY.lookup(model_config.position)
     geometries = position_geometries(model_config)
-    # A scheme shared across layers is built once per geometry (the first owns the embedding
-    # term); otherwise each attention layer builds its own, for its mixer's geometry.
-    shared = {}
-    if scheme.shared_across_layers:
-      first = next((g for g in geometries if g), positions_lib.Geometry.of_model(model_config))
-      shared[first.shared()] = positions_lib.build(model_config, first.shared(), rngs=rngs)
-    self.position = next(iter(shared.values()), None)
+    shared = {}  # a scheme shared across layers: one per geometry, the layer index aside
+
+    def scheme_for(geometry):
+      if not scheme.shared_across_layers:
+        return positions_lib.build(model_config, geometry, rngs=rngs)
+      if geometry.shared() not in shared:
+        shared[geometry.shared()] = positions_lib.build(model_config, geometry.shared(), rngs=rngs)
+      return shared[geometry.shared()]
+
+    # A shared scheme (of the first attention layer's geometry) also owns the embedding term; it
+    # is built first, so that parameters are drawn in the order they always were.
+    first = next((g for g in geometries if g), positions_lib.Geometry.of_model(model_config))
+    self.position = scheme_for(first) if scheme.shared_across_layers else None
     self.embed = nn.embed(model_config.vocab_size, d, ("vocab", "embed"), rngs=rngs, dtype=dtype,
                           stddev=1.0)
     blocks = []
     for layer, (name, feed_forward_name, geometry) in enumerate(zip(
         layer_types(model_config), feed_forward_types(model_config), geometries)):
       mixer_cls = attention.REGISTRY.lookup(name)
-      if geometry is None:  # a hybrid's recurrent layer
-        position = positions_lib.NoPosition(None, positions_lib.Geometry.of_model(model_config),
-                                            rngs=rngs)
-      elif scheme.shared_across_layers:
-        if geometry.shared() not in shared:
-          shared[geometry.shared()] = positions_lib.build(model_config, geometry.shared(),
-                                                          rngs=rngs)
-        position = shared[geometry.shared()]
-      else:
-        position = positions_lib.build(model_config, geometry, rngs=rngs)
+      position = (scheme_for(geometry) if geometry is not None  # None: a hybrid's recurrent layer
+                  else positions_lib.NoPosition(None, first, rngs=rngs))
       mixer = mixer_cls(attention.REGISTRY.settings(name, model_config), model_config, position,
                         rngs=rngs, layer_index=layer)
       blocks.append(Block(mixer, feed_forward_name, model_config, rngs=rngs))
@@ -269,8 +267,7 @@ class LanguageModel(nnx.Module):
 
   def probe(self, tokens_BxL, positions_BxL=None, segments_BxL=None, *, input_offset_BxLxD=None,
             edit_attention=None):
-    """The logits of `__call__` with two hooks for analyses (research.analysis.analyze): the
-    embedded
+    """The logits of `__call__` with two hooks for analyses (research.analysis): the embedded
     input plus `input_offset_BxLxD` (its gradient at zero is the gradient with respect to the
     input embeddings), and each layer l of `edit_attention` ({l: edit}, softmax layers) run
     with its attention probabilities P replaced by edit(P, mask)

@@ -2,7 +2,7 @@
 
 Each registered class declares its own hyperparameters (`hyperparameters`, a dict of defaults).
 They live in the config sub-dict `model.<settings key>` (the registry name unless the entry names
-a shared one, as mha / mqa / gqa share `model.softmax`), so `configs/base.py` lists no
+a shared one, as mha / mqa / gqa share `model.softmax`), so the config schema (research/defaults.py) lists no
 family-prefixed fields and `--config.model.fire.hidden=32` works for any variant.
 """
 
@@ -78,7 +78,7 @@ class Registry(dict):
     return out
 
   def default_settings(self):
-    """{settings key: defaults} for every entry with hyperparameters, for configs/base.py."""
+    """{settings key: defaults} for every entry with hyperparameters, for the default config."""
     out = {}
     for name, cls in self.items():
       if cls.hyperparameters:

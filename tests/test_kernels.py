@@ -11,7 +11,7 @@ from flax import nnx
 
 from research import attention, positions
 from research.attention import fox
-from research.attention import masks, reference
+from research.attention import reference
 from research.attention import core
 from research.attention.gated_deltanet import (chunked_gated_delta_rule, invert_unit_lower,
                                                l2_normalize)

@@ -7,8 +7,8 @@ peers_torch.py is the PyTorch side):
                of value_and_grad and research.training.loop.make_optimizer's optax chain,
                global-norm
                clipping and AdamW, parameters and optimizer state donated: research.training.loop's
-               step
-               without its metrics) against a nanoGPT-style PyTorch model (F.scaled_dot_product_
+               step without its metrics) against a nanoGPT-style PyTorch model
+               (F.scaled_dot_product_
                attention(is_causal=True), clip_grad_norm_, torch.optim.AdamW), eager and
                torch.compile'd (a failure to compile is recorded as skipped, with its reason);
   train_large  the same at 4 layers, d_model 512, 8 heads, batch 8 x 512, eager;

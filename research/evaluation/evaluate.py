@@ -10,8 +10,8 @@ over the scored (answer) positions, per token and per sequence.
 
 The jitted step returns sums per row (window or example), so every metric also gets a 95%
 percentile bootstrap interval over rows (research.evaluation.bootstrap): loss = sum nll / sum
-tokens,
-perplexity = exp(loss), accuracy = sum correct / sum tokens, exact_match = rows entirely right /
+tokens, perplexity = exp(loss), accuracy = sum correct / sum tokens, exact_match = rows entirely
+right /
 rows.
 """
 

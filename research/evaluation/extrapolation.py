@@ -2,8 +2,8 @@
 
 For each length in config.eval.lengths and mode in config.eval.modes, one row with loss,
 perplexity, accuracy and exact match, their 95% bootstrap intervals (research.evaluation.evaluate),
-and the
-loss at each token position. Needle tasks get one row per depth in config.eval.depths, each with
+and the loss at each token position. Needle tasks get one row per depth in config.eval.depths, each
+with
 its `depth`, and a row without a depth that pools every depth's examples; all of them record the
 evaluated `depths`. Runs with a rotary scheme (rope, xpos, prope) get extra rows for each scaling
 in config.eval.rope_scalings (PI, static / dynamic NTK, YaRN; research.positions.rope) at

@@ -2,7 +2,7 @@
 
 To add one: implement the interface of `research.feed_forward.base` (subclassing `FeedForward`
 gives the defaults of a token-wise layer) in a new file and register it below (one line). Its
-hyperparameters appear in configs/base.py as model.<name>; a model picks one for every block
+hyperparameters appear in the default config (research/defaults.py) as model.<name>; a model picks one for every block
 (model.feed_forward) or a pattern tiled over the layers (model.feed_forward_pattern).
 """
 

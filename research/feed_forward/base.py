@@ -16,8 +16,8 @@ is built as `cls(model_config, settings, rngs=...)` and supports
 Auxiliary losses. A layer with a training objective of its own (a mixture of experts' load
 balancing) sows it as an `AuxiliaryLoss` while the model runs under
 `nnx.capture(..., AuxiliaryLoss)`, which the training loss does (research/training/loop.py) and
-nothing
-else: evaluation and decoding compute none. `auxiliary_losses` averages each sown value over the
+nothing else: evaluation and decoding compute none. `auxiliary_losses` averages each sown value over
+the
 layers that sowed it; the entry OBJECTIVE is added to the training loss, every entry is logged.
 """
 

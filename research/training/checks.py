@@ -103,8 +103,7 @@ def validate_config(config, num_devices, process_count=1):
 def check_workdir(workdir, config: ml_collections.ConfigDict):
   """The workdir must be writable and, if it holds a checkpointed run, one that trains the same
   as `config` (research.runs.config_fields: evaluation settings, new fields at their defaults and
-  the
-  like may differ). A run without a checkpoint may restart with any config. Creates nothing."""
+  the like may differ). A run without a checkpoint may restart with any config. Creates nothing."""
   check_writable(workdir)
   saved_path = os.path.join(workdir, "config.json")
   if not os.path.exists(saved_path) or not checkpoints.steps(workdir):
