@@ -22,8 +22,8 @@ from research.analysis.uptraining import Uptraining
 from research.registry import Registry
 
 REGISTRY = Registry("analysis", "--analysis")
-REGISTRY.register("attention_maps", AttentionMaps)
-REGISTRY.register("induction", Induction)
-REGISTRY.register("head_importance", HeadImportance)
-REGISTRY.register("explanation", Explanation)
-REGISTRY.register("uptraining", Uptraining)
+REGISTRY.register(AttentionMaps.name, AttentionMaps)
+REGISTRY.register(Induction.name, Induction)
+REGISTRY.register(HeadImportance.name, HeadImportance)
+REGISTRY.register(Explanation.name, Explanation)
+REGISTRY.register(Uptraining.name, Uptraining)

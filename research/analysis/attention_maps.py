@@ -99,17 +99,11 @@ def attention_maps(run: trained.Checkpoints, name: str, out: str,
 
 
 class AttentionMaps(base.Analysis):
+  name = "attention_maps"
   csv_name = "distance.csv"
+  needs_attention_maps = True
 
-  @classmethod
-  def problem(cls, config):
-    if not base.map_layers(config):
-      return f"attention_maps needs attention maps, but {base.no_maps(config)}"
-    return None
-
-  @classmethod
-  def run(cls, run, name, out, settings):
-    return attention_maps(run, name, out, settings)
+  run = staticmethod(attention_maps)
 
   @classmethod
   def compare(cls, rows, out):

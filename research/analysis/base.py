@@ -114,17 +114,20 @@ class Analysis:
   """One analysis of a trained run. `run` measures one run's checkpoints and writes its files in
   `out`, returning its tidy rows; `compare` draws the figure of a sweep's rows (all runs') into
   `out` and returns the summary lines that describe it; `problem` says why a run's config
-  cannot be analysed (None when it can). Classmethods: an analysis keeps no state."""
+  cannot be analysed (None when it can). An analysis keeps no state."""
 
+  name = ""  # as registered
   csv_name = ""  # the tidy CSV a sweep's comparison writes
+  needs_attention_maps = False  # a run whose mixers have no attention weights is refused
 
   @classmethod
   def problem(cls, config) -> str | None:
-    del config
+    if cls.needs_attention_maps and not map_layers(config):
+      return f"{cls.name} needs attention maps, but {no_maps(config)}"
     return None
 
-  @classmethod
-  def run(cls, run, name: str, out: str, settings: Settings) -> list[dict]:
+  @staticmethod
+  def run(run, name: str, out: str, settings: Settings) -> list[dict]:
     raise NotImplementedError
 
   @classmethod

@@ -91,17 +91,11 @@ def explanation(run: trained.Checkpoints, name: str, out: str,
 
 
 class Explanation(base.Analysis):
+  name = "explanation"
   csv_name = "explanation.csv"
+  needs_attention_maps = True
 
-  @classmethod
-  def problem(cls, config):
-    if not base.map_layers(config):
-      return f"explanation needs attention maps, but {base.no_maps(config)}"
-    return None
-
-  @classmethod
-  def run(cls, run, name, out, settings):
-    return explanation(run, name, out, settings)
+  run = staticmethod(explanation)
 
   @classmethod
   def compare(cls, rows, out):

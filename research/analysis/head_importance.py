@@ -117,6 +117,7 @@ def head_importance(run: trained.Checkpoints, name: str, out: str,
 
 
 class HeadImportance(base.Analysis):
+  name = "head_importance"
   csv_name = "pruning.csv"
 
   @classmethod
@@ -127,9 +128,7 @@ class HeadImportance(base.Analysis):
               f"none; valid: {', '.join(base.multi_head_variants())}")
     return None
 
-  @classmethod
-  def run(cls, run, name, out, settings):
-    return head_importance(run, name, out, settings)
+  run = staticmethod(head_importance)
 
   @classmethod
   def compare(cls, rows, out):

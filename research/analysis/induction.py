@@ -72,6 +72,7 @@ def induction(run: trained.Checkpoints, name: str, out: str,
 
 
 class Induction(base.Analysis):
+  name = "induction"
   csv_name = "scores.csv"
 
   @classmethod
@@ -81,9 +82,7 @@ class Induction(base.Analysis):
               f"{base.no_maps(config)} and data.name={config.data.name!r} is a task")
     return None
 
-  @classmethod
-  def run(cls, run, name, out, settings):
-    return induction(run, name, out, settings)
+  run = staticmethod(induction)
 
   @classmethod
   def compare(cls, rows, out):

@@ -80,11 +80,10 @@ def _uptraining_summary(rows: list[dict]) -> list[str]:
 
 
 class Uptraining(base.Analysis):
+  name = "uptraining"
   csv_name = "uptraining.csv"
 
-  @classmethod
-  def run(cls, run, name, out, settings):
-    return uptraining(run, name, out, settings)
+  run = staticmethod(uptraining)
 
   @classmethod
   def compare(cls, rows, out):
