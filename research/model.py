@@ -312,6 +312,14 @@ class LanguageModel(nnx.Module):
     return sum(block.cache_bytes(batch_size, context_length) for block in self.blocks)
 
 
+def apply_to_batch(model, batch: dict):
+  """The model's logits for a batch (research.data): its `inputs`, with the per-token
+  `positions` and `segments` (packed documents: each token attends only within its segment)
+  where the batch has them. Training, evaluation and the analyses all call the model so."""
+  return model(batch["inputs"], positions_BxL=batch.get("positions"),
+               segments_BxL=batch.get("segments"))
+
+
 def build_model(model_config, *, rngs):
   """The language model described by `model_config` (validated first)."""
   return LanguageModel(model_config, rngs=rngs)

@@ -21,7 +21,6 @@ from flax import nnx
 
 from research.runs import checkpoints
 from research import data
-from research.evaluation import evaluate
 from research.evaluation import extrapolation
 from research.evaluation import generate
 from research.training import init_from
@@ -237,10 +236,10 @@ def test_packed_documents_train_and_evaluate(tmp_path):
   model = model_lib.build_model(config.model, rngs=nnx.Rngs(config.train.seed))
   mean_nll = lambda logits: float((optax.softmax_cross_entropy_with_integer_labels(
       logits, batch["targets"]) * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
-  packed = mean_nll(evaluate.apply(model, batch))
+  packed = mean_nll(model_lib.apply_to_batch(model, batch))
   np.testing.assert_allclose(records[0]["loss"], packed, rtol=1e-4)
   unsegmented = {k: v for k, v in batch.items() if k != "segments"}
-  assert abs(mean_nll(evaluate.apply(model, unsegmented)) - packed) > 1e-4  # segments matter
+  assert abs(mean_nll(model_lib.apply_to_batch(model, unsegmented)) - packed) > 1e-4  # segments matter
   rows = extrapolation.evaluate_run(config, workdir, progress=lambda line: None)
   assert {(r["eval_length"], r["eval_mode"]) for r in rows} == {
       (length, mode) for length in (32, 64) for mode in ("nonoverlapping", "sliding")}

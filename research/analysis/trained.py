@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 from research import data
+from research import model as model_lib
 from research import sharding
 from research.analysis import heads
 from research.evaluation import evaluate
@@ -58,7 +59,7 @@ class Checkpoints:
       def mean_loss(mask, state, batch):
         model = nnx.merge(graphdef, state, copy=True)  # its own Variables, which the mask sets
         heads.mask_heads(model, mask)
-        logits = evaluate.apply(model, batch)
+        logits = model_lib.apply_to_batch(model, batch)
         weights = batch["loss_mask"]
         nll = (optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
                * weights).sum()

@@ -25,6 +25,7 @@ from flax import nnx
 
 from research.evaluation import bootstrap
 from research import data
+from research import model as model_lib
 from research import sharding
 
 STATISTICS = {
@@ -35,18 +36,11 @@ STATISTICS = {
 }
 
 
-def apply(model, batch: dict):
-  """The model's logits for a batch: its `inputs`, with the per-token `positions` and `segments`
-  (packed documents: each token attends only within its segment) where the batch has them."""
-  return model(batch["inputs"], positions_BxL=batch.get("positions"),
-               segments_BxL=batch.get("segments"))
-
-
 def make_eval_step(graphdef):
   """jit-compiled sums of per-token statistics: per row of the batch, and per position."""
 
   def eval_step(params, batch):
-    logits = apply(nnx.merge(graphdef, params), batch)
+    logits = model_lib.apply_to_batch(nnx.merge(graphdef, params), batch)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"]
     correct = ((jnp.argmax(logits, -1) == batch["targets"]) * mask).sum(1)

@@ -88,7 +88,7 @@ def loss_sum(model, batch):
   plus the layers' auxiliary losses times the number of scored tokens (so that dividing by the
   tokens of the whole batch gives the mean cross-entropy plus the auxiliary losses). Also
   returns (summed cross-entropy, {name: auxiliary loss}, empty for a model that sows none)."""
-  logits, sown = nnx.capture(evaluate.apply, feed_forward.AuxiliaryLoss)(model, batch)
+  logits, sown = nnx.capture(model_lib.apply_to_batch, feed_forward.AuxiliaryLoss)(model, batch)
   nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   nll_sum = (nll * batch["loss_mask"]).sum()
   auxiliary = feed_forward.auxiliary_losses(sown)
