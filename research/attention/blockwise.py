@@ -26,7 +26,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from research.attention import masks
 
@@ -256,10 +255,3 @@ def blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, 
   out = _attention(q, k, v, inputs, segments, score_params, block, float(scale), score_mod, mask)
   return out.reshape(b, padded, n, v.shape[-1])[:, :t]
 
-
-def schedule_size(length, block_size, mask, packed=False):
-  """The number of tiles the kernel visits for a sequence of `length` tokens (for benchmarks
-  and tests): the mask spec's schedule at that length."""
-  block = min(block_size, length)
-  (counts, _), _ = mask.schedule(-(-length // block), block, packed)
-  return int(np.sum(counts))

@@ -120,15 +120,20 @@ def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=
   return "blockwise" if length >= AUTO_BLOCKWISE_FROM else "xla"
 
 
-def _sequence_mask(mask, length, segments_BxT):
-  """[B | 1, 1, T, T] bool of a sequence to itself, or None for plain causal attention."""
-  if not mask.window and mask.keep is None and segments_BxT is None:
-    return None
+def _visible(mask, length, segments_BxT):
+  """[B | 1, 1, T, T] bool: the keys each query of a sequence sees."""
   index = jnp.arange(length)
   # In packed documents the sinks of each document are its first tokens.
   document_index = (None if segments_BxT is None or not mask.sinks
                     else masks.positions_in_documents(segments_BxT))
   return mask.allowed(index, index, segments_BxT, segments_BxT, document_index)
+
+
+def _sequence_mask(mask, length, segments_BxT):
+  """_visible, or None for plain causal attention (the fused backends' own causal path)."""
+  if not mask.window and mask.keep is None and segments_BxT is None:
+    return None
+  return _visible(mask, length, segments_BxT)
 
 
 def grouped_logits(q_BxTxNxH, k_BxSxKxH, scale):
@@ -164,10 +169,7 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
   logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
   if score_mod is not None:
     logits = score_mod.apply(logits, score_params, inputs, inputs)
-  index = jnp.arange(t)
-  document_index = (None if segments_BxT is None or not mask.sinks
-                    else masks.positions_in_documents(segments_BxT))
-  visible = mask.allowed(index, index, segments_BxT, segments_BxT, document_index)
+  visible = _visible(mask, t, segments_BxT)
   logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), visible
 
@@ -201,10 +203,8 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, bias=bias, mask=visible,
                                         is_causal=visible is None, scale=scale,
                                         implementation=backend)
-  logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
-  if score_mod is not None:
-    logits = score_mod.apply(logits, score_params, inputs, inputs)
-  if visible is None:
-    visible = mask.allowed(jnp.arange(t), jnp.arange(t))
-  probs = jax.nn.softmax(jnp.where(visible, logits, LARGE_NEGATIVE), axis=-1)
+  # A `modify` or values wider than keys: the same float32 computation written out.
+  probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
+                           score_params=score_params, inputs=inputs, mask=mask,
+                           segments_BxT=segments_BxT)
   return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)
