@@ -21,16 +21,16 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: $(STAMP)
-	$(PY) -m experiments.bench --suite=mixers --out=runs/bench
-	$(PY) -m experiments.bench --suite=decode --out=runs/bench
-	$(PY) -m experiments.bench --suite=train --out=runs/bench
-	$(PY) -m experiments.bench --suite=state --out=runs/bench
-	$(PY) -m experiments.bench --suite=recurrent --out=runs/bench
+	$(PY) -m experiments.bench --suite=mixers --workdir=runs/bench
+	$(PY) -m experiments.bench --suite=decode --workdir=runs/bench
+	$(PY) -m experiments.bench --suite=train --workdir=runs/bench
+	$(PY) -m experiments.bench --suite=state --workdir=runs/bench
+	$(PY) -m experiments.bench --suite=recurrent --workdir=runs/bench
 
 # On a GPU machine, after `pip install -r requirements-gpu.txt` in .venv: under 10 minutes on one
 # H200, appends a dated table to BENCHMARKS.md (experiments/accelerator_check.py).
 accelerator-check: $(STAMP)
-	$(PY) -m experiments.accelerator_check --out=runs/accelerator_check_$$(date +%Y%m%d_%H%M%S)
+	$(PY) -m experiments.accelerator_check --workdir=runs/accelerator_check_$$(date +%Y%m%d_%H%M%S)
 
 clean:
 	rm -rf $(VENV) runs

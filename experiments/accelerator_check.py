@@ -1,7 +1,7 @@
 """The prepared accelerator check: one command, under 10 minutes on one GPU, a dated table.
 
-  make accelerator-check          # = python -m experiments.accelerator_check --out=runs/accelerator_check
-  python -m experiments.accelerator_check --out=/tmp/check --dry_run   # the CPU parts, ~4 min
+  make accelerator-check     # = python -m experiments.accelerator_check --workdir=runs/accelerator_check
+  python -m experiments.accelerator_check --workdir=/tmp/check --dry_run   # the CPU parts, ~4 min
 
 Four steps, each a subprocess with its own time limit (a step that fails or runs out is
 reported as such and the next one runs):
@@ -20,7 +20,6 @@ requirements-gpu.txt. --dry_run runs the same steps on CPU at smoke sizes (quick
 2-layer model, a few conformance tests), to check that the script itself works.
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -30,8 +29,18 @@ import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave the GPU to the steps
 import jax  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+from experiments import cli  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_WORKDIR = cli.workdir_flag("Output directory (for the check: its logs, benchmark files and "
+                            "accelerator_check.md).")
+if "out" not in flags.FLAGS:
+  flags.DEFINE_alias("out", "workdir")  # the name of earlier commands
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "CPU, smoke sizes, no BENCHMARKS.md.")
 
 
 def steps(out, dry_run):
@@ -46,9 +55,9 @@ def steps(out, dry_run):
   return [
       ("tests", [python, "-m", "pytest", "-q", "-n", "2" if dry_run else "8", *tests], 200,
        platform),
-      ("mixers", [*bench, "--suite=mixers", f"--out={out}/bench", *size,
+      ("mixers", [*bench, "--suite=mixers", f"--workdir={out}/bench", *size,
                   *([] if dry_run else ["--lengths=1024,4096,16384"])], 150, {}),
-      ("recurrent", [*bench, "--suite=recurrent", f"--out={out}/bench", *size,
+      ("recurrent", [*bench, "--suite=recurrent", f"--workdir={out}/bench", *size,
                      *(["--only=linear"] if dry_run else [])], 90, {}),
       ("mfu", [python, "-m", "experiments.train",
                f"--config=configs/model_125m.py:{'smoke' if dry_run else 'mfu'}",
@@ -114,24 +123,25 @@ def report(out, results, dry_run):
   return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default="runs/accelerator_check")
-  parser.add_argument("--dry_run", action="store_true", help="CPU, smoke sizes, no BENCHMARKS.md")
-  args = parser.parse_args(argv)
-  if not args.dry_run and jax.default_backend() == "cpu":
-    parser.error("no accelerator visible to jax (jax.default_backend() is cpu): install the "
-                 "CUDA build (pip install -r requirements-gpu.txt), or pass --dry_run")
-  out = os.path.abspath(args.out)
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; the flags are --workdir and "
+                         "--dry_run")
+  dry_run = _DRY_RUN.value
+  if not dry_run and jax.default_backend() == "cpu":
+    raise app.UsageError("no accelerator visible to jax (jax.default_backend() is cpu): install "
+                         "the CUDA build (pip install -r requirements-gpu.txt), or pass --dry_run")
+  out = os.path.abspath(_WORKDIR.value or "runs/accelerator_check")
   if os.path.exists(os.path.join(out, "mfu_125m")):
-    parser.error(f"{out}/mfu_125m exists (a finished run would only resume): choose a new --out")
+    raise app.UsageError(f"{out}/mfu_125m exists (a finished run would only resume): choose a "
+                         "new --workdir")
   os.makedirs(out, exist_ok=True)
   results = {name: run_step(name, command, limit, env, out)
-             for name, command, limit, env in steps(out, args.dry_run)}
-  text = report(out, results, args.dry_run)
+             for name, command, limit, env in steps(out, dry_run)}
+  text = report(out, results, dry_run)
   with open(os.path.join(out, "accelerator_check.md"), "w") as f:
     f.write(text)
-  if not args.dry_run:
+  if not dry_run:
     with open(os.path.join(ROOT, "BENCHMARKS.md"), "a") as f:
       f.write("\n" + text)
   print(text)
@@ -139,4 +149,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

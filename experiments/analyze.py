@@ -25,8 +25,8 @@ from absl import logging
 from experiments import cli
 from research.analysis import analyze
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "A trained run (config.json, checkpoints/) or a "
-                               "sweep (sweep.json): each finished run is analysed.")
+_WORKDIR = cli.workdir_flag("A trained run (config.json, checkpoints/) or a "
+                            "sweep (sweep.json): each finished run is analysed.")
 _ANALYSIS = flags.DEFINE_list("analysis", None, f"Analyses to run: {', '.join(analyze.ANALYSES)}.")
 _TEXT = flags.DEFINE_string("text", "", "attention_maps: the text to map (byte-level runs); "
                             "empty: [A; A], A random tokens.")

@@ -1,12 +1,12 @@
 """Benchmarks: each suite measures rows, then writes DIR/<suite>.json, .md and .png.
 
-  python -m experiments.bench --suite=mixers --out=DIR [--lengths=256,512,...]
+  python -m experiments.bench --suite=mixers --workdir=DIR [--lengths=256,512,...]
       [--dtype=float32|bfloat16] [--quick]
-  python -m experiments.bench --suite=decode --out=DIR
-  python -m experiments.bench --suite=train --out=DIR
-  python -m experiments.bench --suite=state --out=DIR
-  python -m experiments.bench --suite=recurrent --out=DIR
-  python -m experiments.bench --suite=peers --out=DIR [--threads=N]
+  python -m experiments.bench --suite=decode --workdir=DIR
+  python -m experiments.bench --suite=train --workdir=DIR
+  python -m experiments.bench --suite=state --workdir=DIR
+  python -m experiments.bench --suite=recurrent --workdir=DIR
+  python -m experiments.bench --suite=peers --workdir=DIR [--threads=N]
 
 mixers: forward + backward time and compiled temp memory of each mixer kernel against length
 (about 6 minutes on a 2-core CPU); decode: per-token decode latency and cache bytes against
@@ -23,10 +23,14 @@ about 4.5 minutes on 2 cores). --quick: short lengths and fewer repeats, a smoke
 The markdown file lists the performance targets as ratios computed from the same run.
 """
 
-import argparse
 import shlex
 import sys
+import types
 
+from absl import app
+from absl import flags
+
+from experiments import cli
 from research.bench import decode
 from research.bench import mixers
 from research.bench import peers
@@ -46,43 +50,58 @@ SUITES = {
     "peers": peers.SUITE,
 }
 
-
-def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--suite", required=True, choices=sorted(SUITES))
-  parser.add_argument("--out", required=True, help="directory for <suite>.json, .md and .png")
-  parser.add_argument("--lengths", default="",
-                      help="comma-separated lengths (context lengths for decode); default: "
-                           "256..16384, or two short ones with --quick")
-  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  parser.add_argument("--quick", action="store_true", help="short lengths, fewer repeats")
-  parser.add_argument("--only", default="",
-                      help="comma-separated kernels (mixers) or attention/position variants "
-                           "(train, decode; state: its prefill part; recurrent: mixer names; "
-                           "peers: cases, research.bench.peers.CASES) to run, or `packing` "
-                           "(train: the data.packing comparison); default: every one the "
-                           "registries give")
-  parser.add_argument("--threads", type=int, default=0,
-                      help="peers: threads of each framework (default: os.cpu_count())")
-  args = parser.parse_args(argv)
-  args.lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
-  if args.lengths and not SUITES[args.suite].takes_lengths:
-    takes = "|".join(name for name, suite in SUITES.items() if suite.takes_lengths)
-    parser.error(f"--suite={args.suite} measures at its own lengths (--quick: short ones); "
-                 f"--lengths applies to --suite={takes}")
-  if args.threads and SUITES[args.suite].configure is None:
-    parser.error(f"--threads applies to --suite=peers, not --suite={args.suite}")
-  args.only = tuple(x.strip() for x in args.only.split(",") if x.strip())
-  return args
+_SUITE = flags.DEFINE_string("suite", None, f"The suite to run: {', '.join(SUITES)}.")
+_WORKDIR = cli.workdir_flag("Output directory (for a benchmark: <suite>.json, .md, .png).")
+if "out" not in flags.FLAGS:
+  flags.DEFINE_alias("out", "workdir")  # the name of earlier commands in BENCHMARKS.md
+_LENGTHS = flags.DEFINE_list("lengths", [], "Lengths (context lengths for decode); default: "
+                             "256..16384, or two short ones with --quick.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Compute dtype.")
+_QUICK = flags.DEFINE_bool("quick", False, "Short lengths, fewer repeats.")
+_ONLY = flags.DEFINE_list(
+    "only", [], "Kernels (mixers) or attention/position variants (train, decode; state: its "
+    "prefill part; recurrent: mixer names; peers: cases, research.bench.peers.CASES) to run, or "
+    "`packing` (train: the data.packing comparison); default: every one the registries give.")
+_THREADS = flags.DEFINE_integer("threads", 0, "peers: threads of each framework (default: "
+                                "os.cpu_count()).")
 
 
-def main(argv=None):
-  argv = sys.argv[1:] if argv is None else list(argv)
-  args = parse_args(argv)
+def _settings() -> types.SimpleNamespace:
+  """The parsed flags as the suites read them; app.UsageError for a combination that is not
+  valid, naming what is."""
+  if _SUITE.value not in SUITES:
+    raise app.UsageError(f"--suite={_SUITE.value} is not a suite; valid: {', '.join(SUITES)}")
+  if not _WORKDIR.value:
+    raise app.UsageError("--workdir is required: the directory for <suite>.json, .md and .png")
+  try:
+    lengths = tuple(int(x) for x in _LENGTHS.value if x.strip())
+  except ValueError:
+    raise app.UsageError(f"--lengths={','.join(_LENGTHS.value)} must be comma-separated "
+                         "integers, e.g. 256,1024") from None
+  suite = SUITES[_SUITE.value]
+  if lengths and not suite.takes_lengths:
+    takes = "|".join(name for name, s in SUITES.items() if s.takes_lengths)
+    raise app.UsageError(f"--suite={_SUITE.value} measures at its own lengths (--quick: short "
+                         f"ones); --lengths applies to --suite={takes}")
+  if _THREADS.value and suite.configure is None:
+    raise app.UsageError(f"--threads applies to --suite=peers, not --suite={_SUITE.value}")
+  return types.SimpleNamespace(suite=_SUITE.value, out=_WORKDIR.value, lengths=lengths,
+                               dtype=_DTYPE.value, quick=_QUICK.value, threads=_THREADS.value,
+                               only=tuple(x.strip() for x in _ONLY.value if x.strip()))
+
+
+def parse_args(argv: list[str]) -> types.SimpleNamespace:
+  """The settings of a command line's flags (e.g. ["--suite=mixers", "--workdir=DIR"])."""
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["experiments.bench", *argv])
+  return _settings()
+
+
+def measure(args: types.SimpleNamespace, command: str) -> dict:
+  """Runs the suite and writes its files; returns their paths."""
   suite = SUITES[args.suite]
   if suite.configure is not None:
     suite.configure(args)
-  command = shlex.join(["python", "-m", "experiments.bench"] + argv)
   meta = report.metadata(command)
   print(f"{suite.name}: {meta['hardware']}, jax {meta['jax_version']}", flush=True)
   rows = suite.run(args)
@@ -92,5 +111,21 @@ def main(argv=None):
   return paths
 
 
+def _command(argv) -> str:
+  return shlex.join(["python", "-m", "experiments.bench", *argv])
+
+
+def main(argv: list[str]) -> dict:
+  """In-process: measure the suite of these flags."""
+  return measure(parse_args(argv), _command(argv))
+
+
+def _main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; every setting is a flag, e.g. "
+                         "--suite=mixers --workdir=DIR")
+  measure(_settings(), _command(sys.argv[1:]))
+
+
 if __name__ == "__main__":
-  main()
+  cli.run(_main)

@@ -16,12 +16,15 @@ Prints one JSON object with, per dataset (batch 32 at its sequence length, see D
   the data ever bottlenecks CPU training).
 """
 
-import argparse
 import json
 import tempfile
 import time
 
+from absl import app
+from absl import flags
+
 from configs import base
+from experiments import cli
 from research import data
 from research.bench import train as train_bench
 from research.data import catalog
@@ -60,28 +63,33 @@ def bench(config, seconds):
           "batch_shape": list(batch["inputs"].shape)}
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--names", default=",".join(DATASETS),
-                      help=f"comma-separated, from: {', '.join(DATASETS)}")
-  parser.add_argument("--data_dir", default="", help="default: a fresh temporary directory")
-  parser.add_argument("--seconds", type=float, default=3.0)
-  args = parser.parse_args()
-  names = args.names.split(",")
+_NAMES = flags.DEFINE_list("names", list(DATASETS), f"Datasets, from: {', '.join(DATASETS)}.")
+_DATA_DIR = flags.DEFINE_string("data_dir", "", "Prepared data; default: a fresh temporary "
+                                "directory.")
+_SECONDS = flags.DEFINE_float("seconds", 3.0, "Seconds of train_batch reads per dataset.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; the flags are --names, --data_dir "
+                         "and --seconds")
+  names = _NAMES.value
   unknown = [name for name in names if name not in DATASETS]
   if unknown:
-    parser.error(f"unknown --names {unknown}; valid: {', '.join(DATASETS)}")
+    raise app.UsageError(f"unknown --names {unknown}; valid: {', '.join(DATASETS)}")
+  if _SECONDS.value <= 0:
+    raise app.UsageError(f"--seconds={_SECONDS.value} must be > 0")
   with tempfile.TemporaryDirectory() as tmp:
     results = {}
     for name in names:
       seq_len, fields = DATASETS[name]
       config = base.get_config()
-      config.data.update(dict(name=name, dir=args.data_dir or tmp, **fields))
+      config.data.update(dict(name=name, dir=_DATA_DIR.value or tmp, **fields))
       config.train.update(dict(batch_size=BATCH_SIZE, seq_len=seq_len, num_steps=6,
                                warmup_steps=1))
       config.eval.lengths = (seq_len, 4 * seq_len)
       config.model.update(dict(num_layers=2, d_model=128, num_heads=4))
-      results[name] = bench(config, args.seconds)
+      results[name] = bench(config, _SECONDS.value)
       tokens_per_s = train_bench.minimal_tokens_per_second(config)
       step_s = BATCH_SIZE * seq_len / tokens_per_s
       results[name]["train_step_s"] = round(step_s, 4)
@@ -92,4 +100,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main)

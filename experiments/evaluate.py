@@ -30,10 +30,10 @@ from research.evaluation import extrapolation
 from research.results import report
 from research.runs import workdirs
 
-_CONFIG = config_flags.DEFINE_config_dict(
-    "config", base.get_config(), "Evaluation settings to change: eval.*, model.rope.scaling.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "A run directory (config.json) or a sweep "
-                               "directory (sweep.json).")
+_CONFIG = cli.config_flag(config_flags.DEFINE_config_dict, base.get_config(),
+                          "Evaluation settings to change: eval.*, model.rope.scaling.")
+_WORKDIR = cli.workdir_flag("A run directory (config.json) or a sweep "
+                            "directory (sweep.json).")
 flags.mark_flags_as_required(["workdir"])
 
 ROPE_SCALINGS = tuple(f for f in config_fields.ROTARY_SCALING_FIELDS if f.endswith(".scaling"))

@@ -23,11 +23,11 @@ from configs import base
 from experiments import cli
 from research.evaluation import generate
 
-_CONFIG = config_flags.DEFINE_config_dict(
-    "config", base.get_config(),
+_CONFIG = cli.config_flag(
+    config_flags.DEFINE_config_dict, base.get_config(),
     f"Settings to change for generation: {', '.join(generate.GENERATION_FIELDS)}.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "A trained run's directory (config.json and "
-                               "checkpoints/).")
+_WORKDIR = cli.workdir_flag("A trained run's directory (config.json and "
+                            "checkpoints/).")
 _PROMPT = flags.DEFINE_string("prompt", None, "The text to continue (UTF-8 bytes).")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 100, "Tokens (bytes) to generate.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "Softmax temperature; 0: greedy.")

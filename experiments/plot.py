@@ -1,7 +1,8 @@
 """Redraw results.csv, summary.md and the figures of a run or a sweep from its results files.
 
-  python -m experiments.plot runs/demo        # a sweep directory (experiments.run)
-  python -m experiments.plot runs/alibi       # one run (experiments.train + experiments.evaluate)
+  python -m experiments.plot --workdir=runs/demo    # a sweep directory (experiments.run)
+  python -m experiments.plot --workdir=runs/alibi   # one run (experiments.train + .evaluate)
+  python -m experiments.plot runs/demo              # the same, the directory as an argument
 """
 
 from absl import app
@@ -10,10 +11,16 @@ from experiments import cli
 from research.results import report
 
 
+_WORKDIR = cli.workdir_flag("A run directory (config.json) or a sweep directory "
+                            "(sweep.json).")
+
+
 def main(argv):
-  if len(argv) != 2:
-    raise app.UsageError("give one directory: python -m experiments.plot DIR (a run or a sweep)")
-  workdir = argv[1]
+  given = [d for d in (_WORKDIR.value, *argv[1:]) if d]
+  if len(given) != 1:
+    raise app.UsageError("give one directory: python -m experiments.plot --workdir=DIR (a run or "
+                         f"a sweep; DIR alone also works), not {len(given)}")
+  workdir = given[0]
   written = report.write(workdir)
   if written.missing:
     print(f"runs without results ({len(written.missing)}), left out of the figures: "

@@ -24,9 +24,9 @@ from experiments import cli
 from research.results import report
 from research.results import sweep
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:preset].",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Sweep output directory.")
+_CONFIG = cli.config_flag(config_flags.DEFINE_config_file, None,
+                          "Experiment config file[:preset].", lock_config=True)
+_WORKDIR = cli.workdir_flag("Sweep output directory.")
 _SWEEP_INDEX = flags.DEFINE_integer("sweep_index", None, "Run only this member (array jobs).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Members to run at once, as subprocesses.")
 _COLLECT = flags.DEFINE_bool("collect", False, "Only gather results and draw the figures.")

@@ -15,9 +15,9 @@ from ml_collections import config_flags
 from experiments import cli
 from research.training import loop as train
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file[:preset].",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (resumes if it holds a run).")
+_CONFIG = cli.config_flag(config_flags.DEFINE_config_file, None,
+                          "Experiment config file[:preset].", lock_config=True)
+_WORKDIR = cli.workdir_flag("Output directory (resumes if it holds a run).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 

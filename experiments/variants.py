@@ -13,20 +13,22 @@ runs the check).
 import os
 import sys
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from experiments import cli
 from research import defaults
 from research import variants
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/base.py", "Config for the sizes.")
+_CONFIG = cli.config_flag(config_flags.DEFINE_config_dict, defaults.get_config(),
+                          "The sizes to print the tables at (--config.model.d_model=256 ...).")
 _WRITE = flags.DEFINE_bool("write", False, "Rewrite the generated blocks of the docs.")
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 if a generated block of the docs differs.")
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise ValueError(f"unexpected arguments {argv[1:]}; the flags are --config, --write and --check")
   if not (_WRITE.value or _CHECK.value):
     for name, table in variants.markdown_tables(_CONFIG.value.model).items():
       print(f"{name}:\n\n{table}\n")
@@ -51,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -10,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from absl import app
 from flax import nnx
 
 from experiments import bench
@@ -157,7 +158,7 @@ def test_state_suite_measures_window_cache_and_prefill(tmp_path):
 
 
 def test_state_suite_refuses_lengths():
-  with pytest.raises(SystemExit):
+  with pytest.raises(app.UsageError, match="--lengths applies to"):
     bench.parse_args(["--suite=state", "--out=x", "--lengths=16"])
 
 
@@ -227,7 +228,7 @@ def test_peers_suite_without_pytorch_says_how_to_install_it(tmp_path, monkeypatc
   assert isinstance(message, str) and "\n" not in message, message
   assert "pip install -r requirements-peers.txt" in message
   assert not list(tmp_path.iterdir())
-  with pytest.raises(SystemExit):  # --threads belongs to the peers suite
+  with pytest.raises(app.UsageError, match="--threads applies to --suite=peers"):
     bench.parse_args(["--suite=mixers", "--out=x", "--threads=2"])
 
 

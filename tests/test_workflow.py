@@ -49,7 +49,7 @@ def test_evaluate_a_trained_run_at_new_lengths_and_scalings_then_plot_it(trained
   assert all(r["step"] == 8 for r in rows)
   for name in ("extrapolation.png", "rope_scaling.png", "loss_by_position.png"):
     os.remove(os.path.join(workdir, name))
-  result = _command("plot", workdir)
+  result = _command("plot", f"--workdir={workdir}")
   assert result.returncode == 0, result.stderr[-3000:]
   for name in ("results.csv", "summary.md", "extrapolation.png", "rope_scaling.png",
                "loss_by_position.png"):
