@@ -1,7 +1,8 @@
 """Multi-scale retention, the token mixer of RetNet (Sun et al., arXiv:2307.08621, eqs. 5-8).
 
 Per head h, with q = X W_Q, k = X W_K / sqrt(d), v = X W_V (d the head dim) and the position
-scheme's query/key hooks on q and k (RetNet rotates them as RoPE does: `rope` or `xpos` here):
+scheme's query/key hooks on q and k (RetNet rotates them: `rope` or `xpos` here, with RetNet's
+angles by default, below):
   parallel:    Retention(X) = (Q K^T * D) V,  D[n, m] = gamma^(n - m) for n >= m, else 0
   recurrent:   S_n = gamma S_{n-1} + k_n^T v_n,  o_n = q_n S_n
   chunkwise:   (eq. 7) inside a chunk of C tokens the parallel form, across chunks the state:
@@ -13,8 +14,20 @@ output is normalised on its own, as the authors' code (microsoft/torchscale, Mul
 does it, by an RMSNorm over the head dim without affine parameters, eps 1e-6 (their first
 release used LayerNorm per head). The normalisation is what keeps a slow-decay head bounded: its
 o_n sums up to 1 / (1 - gamma) terms (2^(5 + h)) and grows with the context, the normalised
-output does not. Initialisation as theirs: W_Q, W_K, W_V, W_G Xavier-uniform with gain
-2^-2.5, W_O Xavier-uniform, no biases.
+output does not. Initialisation as theirs (microsoft/torchscale@
+4d1e0e82e5adf86dd424f1463192635b73fc8efc, torchscale/component/multiscale_retention.py,
+MultiScaleRetention.reset_parameters): W_Q, W_K, W_V, W_G Xavier-uniform with gain 2^-2.5, W_O
+Xavier-uniform with gain 2^-1 (`xavier_uniform_(self.out_proj.weight, gain=2 ** -1)`: bound
+2^-1 sqrt(6 / (d_model + d_model))), no biases.
+
+Rotation (model.retention.rotary_frequencies; only with a rotary scheme, rope / xpos / prope):
+"retnet" (the default) rotates pair i of each head by position * theta_i with
+theta_i = base^(-i / (d/2 - 1)), i < d / 2 (torchscale@4d1e0e8, torchscale/architecture/
+retnet.py, RetNetRelPos.__init__: angle = 1 / 10000 ** torch.linspace(0, 1, head_dim // 2),
+repeat-interleaved over the pair), so the slowest pair turns at 1 / base; "rope" is RoPE's
+theta_i = base^(-2i/d) (what this mixer used before the setting existed). The mixer hands it to
+the scheme in its geometry (`position_geometry`); the pairing of channels, adjacent (2i, 2i+1),
+is torchscale's `rotate_every_two` in both (research/positions/rope.py).
 
 Deviations from torchscale, none of which changes the output beyond the norm's eps: their
 parallel and chunkwise forms divide D's rows by sqrt(sum_m D[n, m]) and the scores by
@@ -29,15 +42,19 @@ documents restart the state at each segment start. This file is also the worked 
 adding a variant (the mixer example in docs/architecture.md).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from research import nn
+from research import positions
 from research.attention import base
 from research.attention import masks
 from research.positions import QK
+from research.positions.rope import FREQUENCIES
 
 
 def _chunk(log_gamma_N, carry, chunk):
@@ -97,7 +114,10 @@ def _xavier_uniform(gain, in_axis, out_axis):
 
 
 class Retention(base.Mixer):
-  hyperparameters = {"chunk_size": 64}
+  hyperparameters = {"chunk_size": 64, "rotary_frequencies": "retnet"}
+  # What a saved config without a field meant (research/runs/config_fields.py): the runs written
+  # before rotary_frequencies existed rotated at RoPE's frequencies.
+  predated_settings = {"rotary_frequencies": "rope"}
   test_settings = {"chunk_size": 8}
   position_hooks = frozenset({QK})
 
@@ -105,6 +125,15 @@ class Retention(base.Mixer):
   def validate(cls, settings, model_config):
     if settings.chunk_size < 1:
       raise ValueError(f"model.retention.chunk_size must be >= 1, got {settings.chunk_size}")
+    if settings.rotary_frequencies not in FREQUENCIES:
+      raise ValueError(f"model.retention.rotary_frequencies={settings.rotary_frequencies!r}; "
+                       f"valid: {', '.join(FREQUENCIES)}")
+
+  @classmethod
+  def position_geometry(cls, settings, model_config, layer_index=0):
+    """The usual geometry, rotating at RetNet's frequencies unless the settings say RoPE's."""
+    return dataclasses.replace(positions.Geometry.of_model(model_config, layer_index),
+                               rotary_frequencies=settings.rotary_frequencies)
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     del layer_index  # the same computation at every depth
@@ -120,7 +149,7 @@ class Retention(base.Mixer):
         base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype, init=init)
         for _ in range(4))
     self.out = base.output_projection(n, h, d, rngs=rngs, dtype=dtype,
-                                      init=_xavier_uniform(1.0, in_axis=(0, 1), out_axis=2))
+                                      init=_xavier_uniform(2 ** -1, in_axis=(0, 1), out_axis=2))
 
   def _mix(self, x_BxTxD, state, positions_BxT, segments_BxT=None):
     q, k, v = (f(x_BxTxD).astype(jnp.float32) for f in (self.query, self.key, self.value))

@@ -16,12 +16,16 @@ is built as `cls(model_config, settings, rngs=...)` and supports
 Auxiliary losses. A layer with a training objective of its own (a mixture of experts' load
 balancing) sows it as an `AuxiliaryLoss` while the model runs under
 `nnx.capture(..., AuxiliaryLoss)`, which the training loss does (research/training/loop.py) and
-nothing else: evaluation and decoding compute none. `auxiliary_losses` averages each sown value over
-the
-layers that sowed it; the entry OBJECTIVE is added to the training loss, every entry is logged.
+nothing else: evaluation and decoding compute none. A sown value is a scalar, which
+`auxiliary_losses` averages over the layers (and calls) that sowed its name, or a `Pooled(a, b)`
+pair of per-layer statistics, whose term is sum(mean_l a_l * mean_l b_l): a loss computed once
+on statistics pooled over the layers (a mixture of experts' model.moe.pooled_load_balancing);
+a name's value is the mean of its scalars plus the term of its Pooled values. The entry
+OBJECTIVE is added to the training loss, every entry is logged.
 """
 
 import collections
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -41,19 +45,45 @@ def capturing(module: nnx.Module) -> bool:
   return hasattr(module, "__captures__")
 
 
+class Pooled(typing.NamedTuple):
+  """A sown term of statistics pooled over the layers: each layer sows its a and b (vectors of
+  one shape, e.g. [X] means over its tokens), and the term is sum(mean_l a_l * mean_l b_l). When
+  every layer sees the same tokens, mean_l of per-layer token means is the mean over the tokens
+  of all the layers pooled: HF transformers' `load_balancing_loss_func`, which concatenates the
+  router logits of every layer before computing f and P (research/feed_forward/moe.py)."""
+  a: jax.Array
+  b: jax.Array
+
+
 def auxiliary_losses(sown: nnx.State) -> dict[str, jax.Array]:
-  """{name: mean over the layers (and calls) that sowed it} from nnx.capture's AuxiliaryLoss
-  state; empty for a model without such layers."""
+  """{name: the mean of its scalars over the layers (and calls) that sowed them, plus the term of
+  its Pooled values} from nnx.capture's AuxiliaryLoss state; empty for a model without such
+  layers."""
   by_name = collections.defaultdict(list)
   for path, variable in nnx.to_flat_state(sown):
     by_name[path[-1]].extend(variable.get_value())  # a tuple: one value per call
-  return {name: jnp.mean(jnp.stack(values)) for name, values in by_name.items()}
+  combined = {}
+  for name, values in by_name.items():
+    pooled = [v for v in values if isinstance(v, Pooled)]
+    scalars = [v for v in values if not isinstance(v, Pooled)]
+    terms = []
+    if scalars:
+      terms.append(jnp.mean(jnp.stack(scalars)))
+    if pooled:
+      mean_a, mean_b = (jnp.mean(jnp.stack(side), axis=0) for side in zip(*pooled))
+      terms.append(jnp.sum(mean_a * mean_b))
+    combined[name] = sum(terms[1:], terms[0])
+  return combined
 
 
 class FeedForward(nnx.Module):
   """Defaults for a feed-forward that looks at one token at a time."""
 
   hyperparameters = {}
+  # What a saved config without one of today's hyperparameters meant, where that differs from
+  # its default: {field: value}, or a function of the run's settings giving one
+  # (research/runs/config_fields.py loads and compares old runs with it).
+  predated_settings = {}
   # Small settings for the conformance suite (see research.attention.base.Mixer.test_settings).
   test_settings = {}
 

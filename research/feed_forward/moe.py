@@ -15,9 +15,22 @@ Load balancing (Switch eqs. 4-6, as transformers' Jamba / Mixtral `load_balancin
 over the T tokens of the (micro-)batch; f is not differentiable, P is. f counts each of a
 token's top_k choices (sum_e f_e = top_k), so L_balance = top_k when either f or P is uniform,
 its value at balance (1 for Switch's top-1). The training loss adds load_balancing_weight times
-the mean of L_balance over the MoE layers (transformers pools f and P over the layers before
-the product; the two agree when the layers route alike), and router_z_loss_weight times the
-router z-loss of ST-MoE (arXiv:2202.08906), mean_t (logsumexp_e W_r x_t)^2, off by default.
+L_balance over the MoE layers, combined as model.moe.pooled_load_balancing says:
+  False  (the default) the mean over the MoE layers of each layer's L_balance.
+  True   one L_balance on the tokens of every MoE layer pooled, X sum_e F_e P_e with F, P the
+         means of the layers' f, P (each layer routes the same T tokens): HF transformers'
+         `load_balancing_loss_func` (huggingface/transformers@
+         af3efdd71ee5b568dfdb71bb41d316df830147af, src/transformers/models/mixtral/
+         modeling_mixtral.py; modeling_jamba.py@97bb61d0788015770945004a7db6285db68081c0 is
+         a copy), which concatenates the router logits of all layers, then softmax, top_k and
+         X sum(mean one_hot(top_k) * mean softmax) (no attention mask here: every token counts,
+         below).
+The two agree when every layer routes alike, and differ otherwise: pooled lets one layer's
+imbalance be offset by another's opposite one. The per-layer mean stays the default because the
+committed Jamba-style result (configs/jamba.py:quick, docs/results.md: two MoE layers) was made
+with it; the pooled form is the published reference code of Mixtral and Jamba. The router
+z-loss of ST-MoE (arXiv:2202.08906), mean_t (logsumexp_e W_r x_t)^2, enters with
+router_z_loss_weight (off by default), averaged over the layers in either form.
 Every input token counts, padding and tokens without loss weight included: each occupies its
 experts like any other (MQAR scores only its answers), and language-model training windows have
 no padding.
@@ -45,13 +58,19 @@ from research.feed_forward import base
 EXPERT_INIT = nnx.initializers.lecun_normal(batch_axis=(0,))
 
 
-def load_balancing_loss(probs_TxX, chosen_TxX):
-  """X sum_e f_e P_e: f_e the fraction of tokens routed to e (chosen: 1 for each of a token's
-  top_k experts), P_e the mean router probability of e, over every leading axis."""
+def routing_statistics(probs_TxX, chosen_TxX):
+  """(f, P) [X]: f_e the fraction of tokens routed to e (chosen: 1 for each of a token's top_k
+  experts; not differentiable), P_e the mean router probability of e, over every leading axis."""
   num_experts = probs_TxX.shape[-1]
   f_X = chosen_TxX.reshape(-1, num_experts).mean(0)
   p_X = probs_TxX.reshape(-1, num_experts).mean(0)
-  return num_experts * jnp.sum(jax.lax.stop_gradient(f_X) * p_X)
+  return jax.lax.stop_gradient(f_X), p_X
+
+
+def load_balancing_loss(probs_TxX, chosen_TxX):
+  """X sum_e f_e P_e (routing_statistics) of one layer."""
+  f_X, p_X = routing_statistics(probs_TxX, chosen_TxX)
+  return probs_TxX.shape[-1] * jnp.sum(f_X * p_X)
 
 
 def router_z_loss(logits_TxX):
@@ -61,7 +80,8 @@ def router_z_loss(logits_TxX):
 
 class MixtureOfExperts(base.FeedForward):
   hyperparameters = {"num_experts": 16, "top_k": 2, "renormalize": False,
-                     "load_balancing_weight": 0.01, "router_z_loss_weight": 0.0}
+                     "load_balancing_weight": 0.01, "pooled_load_balancing": False,
+                     "router_z_loss_weight": 0.0}
   test_settings = {"num_experts": 4, "top_k": 2}
 
   @classmethod
@@ -73,6 +93,10 @@ class MixtureOfExperts(base.FeedForward):
     if not isinstance(experts, int) or experts < top_k:
       raise ValueError(f"model.moe.num_experts={experts!r} is below model.moe.top_k={top_k}; "
                        f"valid: an integer >= {top_k}, or a smaller top_k")
+    if not isinstance(settings.pooled_load_balancing, bool):
+      raise ValueError(f"model.moe.pooled_load_balancing={settings.pooled_load_balancing!r} must "
+                       f"be True (one loss on the pooled tokens of all MoE layers, as HF "
+                       f"transformers) or False (the mean of the layers' losses)")
     for name in ("load_balancing_weight", "router_z_loss_weight"):
       if settings[name] < 0:
         raise ValueError(f"model.moe.{name}={settings[name]} must be >= 0 (0 turns it off)")
@@ -86,6 +110,7 @@ class MixtureOfExperts(base.FeedForward):
     hidden, experts = model_config.mlp_ratio * d, settings.num_experts
     self.top_k, self.renormalize = settings.top_k, settings.renormalize
     self.load_balancing_weight = settings.load_balancing_weight
+    self.pooled_load_balancing = settings.pooled_load_balancing
     self.router_z_loss_weight = settings.router_z_loss_weight
     # The router is small: replicated, so every device routes its tokens to all experts.
     self.router = nn.dense("BLD,DX->BLX", (d, experts), ("embed", None), rngs=rngs,
@@ -113,13 +138,26 @@ class MixtureOfExperts(base.FeedForward):
     hidden_BxLxXxF = jax.nn.gelu(self.up(x_BxLxD))
     y_BxLxD = self.down(hidden_BxLxXxF * weights_BxLxX[..., None].astype(hidden_BxLxXxF.dtype))
     if base.capturing(self):  # the training loss (research/training/loop.py)
-      balance = load_balancing_loss(probs_BxLxX, chosen_BxLxX)
-      z_loss = router_z_loss(logits_BxLxX)
-      self.sow(base.AuxiliaryLoss, "load_balancing_loss", balance)
-      self.sow(base.AuxiliaryLoss, "router_z_loss", z_loss)
-      self.sow(base.AuxiliaryLoss, base.OBJECTIVE,
-               self.load_balancing_weight * balance + self.router_z_loss_weight * z_loss)
+      self._sow_losses(logits_BxLxX, probs_BxLxX, chosen_BxLxX)
     return y_BxLxD
+
+  def _sow_losses(self, logits_BxLxX, probs_BxLxX, chosen_BxLxX):
+    """This layer's part of the auxiliary losses (research/feed_forward/base.py combines the
+    layers): its L_balance, or when pooled its (X f, P) for the loss on the pooled tokens."""
+    z_loss = router_z_loss(logits_BxLxX)
+    self.sow(base.AuxiliaryLoss, "router_z_loss", z_loss)
+    if self.pooled_load_balancing:
+      f_X, p_X = routing_statistics(probs_BxLxX, chosen_BxLxX)
+      scaled_f_X = probs_BxLxX.shape[-1] * f_X
+      self.sow(base.AuxiliaryLoss, "load_balancing_loss", base.Pooled(scaled_f_X, p_X))
+      self.sow(base.AuxiliaryLoss, base.OBJECTIVE,
+               base.Pooled(self.load_balancing_weight * scaled_f_X, p_X))
+      self.sow(base.AuxiliaryLoss, base.OBJECTIVE, self.router_z_loss_weight * z_loss)
+      return
+    balance = load_balancing_loss(probs_BxLxX, chosen_BxLxX)
+    self.sow(base.AuxiliaryLoss, "load_balancing_loss", balance)
+    self.sow(base.AuxiliaryLoss, base.OBJECTIVE,
+             self.load_balancing_weight * balance + self.router_z_loss_weight * z_loss)
 
   def idle_params_per_token(self):
     """Parameters of the experts a token is not routed to (not part of its matmul FLOPs)."""

@@ -8,8 +8,9 @@
   logit_scale()                       a softmax temperature on the logits (YaRN), 1 otherwise
 
 A scheme is told its geometry by the mixer that uses it (`Geometry`: d_model, the heads and head
-dim of the queries and keys it acts on, how many of those dims rotate, the layer index), through
-`research.attention.base.Mixer.position_geometry`; nothing here reads head counts from the model.
+dim of the queries and keys it acts on, how many of those dims rotate and at which frequencies,
+the layer index), through `research.attention.base.Mixer.position_geometry`; nothing here reads
+head counts from the model.
 
 Positions are per token, int32 [B, L]; B is 1 when every row has the same positions (the
 usual arange), so a bias is computed once, not once per row. The causal mask is by token index,
@@ -35,12 +36,15 @@ EMBED, QK, BIAS = "embed", "qk", "bias"
 class Geometry:
   """What a scheme is built for: the model width (embedding terms), the heads and head dim of
   the queries and keys it rotates or biases, the leading `rotary_dims` of each head that rotary
-  schemes rotate (head_dim unless a mixer decouples them), and the index of the layer."""
+  schemes rotate (head_dim unless a mixer decouples them), the index of the layer, and the
+  rotation frequencies the mixer's architecture uses (`rotary_frequencies`: "rope",
+  theta_i = base^(-2i/d), or RetNet's "retnet", base^(-i/(d/2 - 1)); research/positions/rope.py)."""
   d_model: int
   num_heads: int
   head_dim: int
   rotary_dims: int
   layer_index: int = 0
+  rotary_frequencies: str = "rope"
 
   @classmethod
   def of_model(cls, model_config, layer_index=0):
@@ -57,6 +61,10 @@ class PositionScheme(nnx.Module):
   """Base class: no position information at all."""
 
   hyperparameters = {}
+  # What a saved config without one of today's hyperparameters meant, where that differs from
+  # its default: {field: value}, or a function of the run's settings giving one
+  # (research/runs/config_fields.py loads and compares old runs with it).
+  predated_settings = {}
   # Small settings for the conformance suite (see research.attention.base.Mixer.test_settings).
   test_settings = {}
   # Whether it rotates queries and keys, and so takes the RoPE scalings (model.<name>.scaling).

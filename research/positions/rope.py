@@ -1,25 +1,43 @@
 """Rotary position embedding, RoPE (Su et al., arXiv:2104.09864), and its context extensions.
 
 Each 2-D slice (x[2i], x[2i+1]) of a query or key at position m is rotated by m * theta_i,
-theta_i = base^(-2i/d), so <R(m) q, R(n) k> depends on m - n only. d is the geometry's
+theta_i = base^(-e_i), so <R(m) q, R(n) k> depends on m - n only. d is the geometry's
 rotary_dims: the leading channels of each head that rotate (the whole head unless the mixer
-decouples them); any channels after them pass unchanged.
+decouples them); any channels after them pass unchanged. The exponents e_i (i < d / 2) are the
+geometry's `rotary_frequencies`, chosen by the mixer (`Mixer.position_geometry`):
+  rope    e_i = 2i / d: RoPE's, for every mixer but retention.
+  retnet  e_i = i / (d/2 - 1), torch.linspace(0, 1, d / 2): RetNet's (microsoft/torchscale@
+          4d1e0e82e5adf86dd424f1463192635b73fc8efc, torchscale/architecture/retnet.py,
+          RetNetRelPos.__init__: angle = 1 / 10000 ** linspace(0, 1, head_dim // 2), each
+          repeated twice), the lowest frequency 1 / base instead of base^(-(d - 2) / d); the
+          retention mixer's default (model.retention.rotary_frequencies).
+Both schedules pair adjacent channels, as torchscale's `rotate_every_two` does
+(torchscale/component/multiscale_retention.py, `theta_shift` = x cos + rotate_every_two(x) sin
+with angle[2i] = angle[2i + 1] = theta_i), and the original RoPE: (x[2i], x[2i+1]) ->
+(x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin), the same rotation, sign and pairing as
+theirs. (HF Llama's `rotate_half` pairs x[i] with x[i + d/2] instead; with the same theta_i per
+pair the two differ by one fixed permutation P of each head's channels, and since
+<Pa, Pb> = <a, b> a model with q / k projections W is exactly the other with P W: the same
+function class, the same logits after permuting the projections' output channels.)
 
 Scalings (model.rope.scaling), with s = scaling_factor and L = original_length (the training
 length); each follows the code its authors published, as HF transformers' modeling_rope_utils:
   pi           position interpolation (Chen et al., arXiv:2306.15595): theta_i / s.
-  static_ntk   NTK-aware, static (bloc97): base -> base * s^(d / (d - 2)).
+  static_ntk   NTK-aware, static (bloc97): base -> base * s^(d / (d - 2)), the base that divides
+               the lowest frequency by s (with RetNet's exponents: base * s).
   dynamic_ntk  HF's dynamic NTK: base -> base * (s * n / L - (s - 1))^(d / (d - 2)) with
                n = max(L, current length), the current length being the largest position + 1
-               in the call; no change up to L.
+               in the call; no change up to L (RetNet's exponents: power 1 instead of d / (d - 2)).
   yarn         YaRN (Peng et al., arXiv:2309.00071; jquesnelle/yarn = HF
                `_compute_yarn_parameters`): correction dims d_r = d ln(L / (2 pi r)) / (2 ln base)
-               for r = beta = 32 and r = alpha = 1, rounded out to [floor(d_32), ceil(d_1)] and
-               clamped to [0, d - 1]; ramp = clip((i - low) / (high - low), 0, 1) over the pair
-               index i (+0.001 on high when the ends meet); theta_i' = theta_i / s * ramp +
-               theta_i * (1 - ramp). The attention temperature m = 0.1 ln s + 1 multiplies cos
-               and sin in the reference code, so the logits carry m^2: here `logit_scale()`,
-               taken by softmax attention only (linear attention and retention have no softmax).
+               for r = beta = 32 and r = alpha = 1 (the pair index whose wavelength is L / r;
+               with RetNet's exponents (d/2 - 1) ln(L / (2 pi r)) / ln base), rounded out to
+               [floor(d_32), ceil(d_1)] and clamped to [0, d - 1]; ramp = clip((i - low) /
+               (high - low), 0, 1) over the pair index i (+0.001 on high when the ends meet);
+               theta_i' = theta_i / s * ramp + theta_i * (1 - ramp). The attention temperature
+               m = 0.1 ln s + 1 multiplies cos and sin in the reference code, so the logits
+               carry m^2: here `logit_scale()`, taken by softmax attention only (linear
+               attention and retention have no softmax).
 `rotate` itself is a pure rotation under every scaling.
 """
 
@@ -30,14 +48,32 @@ import jax.numpy as jnp
 from research.positions import base
 
 SCALINGS = ("none", "pi", "static_ntk", "dynamic_ntk", "yarn")
+# The exponent schedules of theta_i = base^(-e_i) (a geometry's rotary_frequencies).
+FREQUENCIES = ("rope", "retnet")
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 
 
-def yarn_correction_range(head_dim, base_frequency, original_length):
+def exponents(rotary_dims, frequencies="rope"):
+  """e_i, i < rotary_dims / 2, float32: theta_i = base^(-e_i)."""
+  if frequencies == "retnet":
+    return jnp.linspace(0.0, 1.0, rotary_dims // 2, dtype=jnp.float32)
+  return jnp.arange(0, rotary_dims, 2, dtype=jnp.float32) / rotary_dims
+
+
+def ntk_power(rotary_dims, frequencies="rope"):
+  """1 / e_max: the power of s in an NTK base change, so that the lowest frequency is divided
+  by s: d / (d - 2) for RoPE (HF's), 1 for RetNet's schedule (e_max = 1)."""
+  return rotary_dims / (rotary_dims - 2) if frequencies == "rope" else 1.0
+
+
+def yarn_correction_range(head_dim, base_frequency, original_length, frequencies="rope"):
   """(low, high) pair indices of YaRN's ramp, as its reference code rounds and clamps them."""
 
+  # 2 / (e_{i+1} - e_i): d for RoPE's 2i / d, 2 (d/2 - 1) for RetNet's i / (d/2 - 1).
+  steps = head_dim if frequencies == "rope" else 2 * (head_dim // 2 - 1)
+
   def correction_dim(rotations):
-    return (head_dim * math.log(original_length / (rotations * 2 * math.pi))
+    return (steps * math.log(original_length / (rotations * 2 * math.pi))
             / (2 * math.log(base_frequency)))
 
   low = max(math.floor(correction_dim(YARN_BETA_FAST)), 0)
@@ -66,6 +102,7 @@ class RoPE(base.PositionScheme):
     self.factor = float(settings.scaling_factor)
     self.original_length = int(settings.original_length)
     self.rotary_dims = geometry.rotary_dims
+    self.frequencies = geometry.rotary_frequencies
 
   @classmethod
   def validate(cls, settings, geometry):
@@ -73,6 +110,13 @@ class RoPE(base.PositionScheme):
       raise ValueError(f"rotary positions need an even number of rotary dims in (0, head_dim = "
                        f"{geometry.head_dim}], got {geometry.rotary_dims} (with the usual "
                        f"geometry: choose num_heads so that d_model / num_heads is even)")
+    if geometry.rotary_frequencies not in FREQUENCIES:
+      raise ValueError(f"unknown rotary frequencies {geometry.rotary_frequencies!r}; valid: "
+                       f"{', '.join(FREQUENCIES)}")
+    if geometry.rotary_frequencies == "retnet" and geometry.rotary_dims < 4:
+      raise ValueError(f"RetNet's rotary frequencies (linspace(0, 1, rotary_dims / 2) exponents) "
+                       f"need rotary_dims >= 4, got {geometry.rotary_dims}: use wider heads, or "
+                       f"RoPE's frequencies (model.retention.rotary_frequencies='rope')")
     if settings.base <= 1:
       raise ValueError(f"the rotary base must be > 1, got {settings.base} (10000 is usual)")
     if settings.scaling not in SCALINGS:
@@ -85,17 +129,18 @@ class RoPE(base.PositionScheme):
   def inverse_frequencies(self, positions_BxL=None):
     """theta_i for i < rotary_dims / 2, after scaling, float32 [rotary_dims / 2]."""
     d, s, base_frequency = self.rotary_dims, self.factor, self.base_frequency
-    exponents = jnp.arange(0, d, 2, dtype=jnp.float32) / d
+    power = ntk_power(d, self.frequencies)
     if self.scaling == "static_ntk":
-      base_frequency = base_frequency * s ** (d / (d - 2))
+      base_frequency = base_frequency * s ** power
     if self.scaling == "dynamic_ntk" and positions_BxL is not None:
       length = jnp.maximum(positions_BxL.max() + 1, self.original_length).astype(jnp.float32)
-      base_frequency = base_frequency * (s * length / self.original_length - (s - 1)) ** (d / (d - 2))
-    theta = base_frequency ** -exponents
+      base_frequency = base_frequency * (s * length / self.original_length - (s - 1)) ** power
+    theta = base_frequency ** -exponents(d, self.frequencies)
     if self.scaling == "pi":
       theta = theta / s
     if self.scaling == "yarn":
-      low, high = yarn_correction_range(d, self.base_frequency, self.original_length)
+      low, high = yarn_correction_range(d, self.base_frequency, self.original_length,
+                                        self.frequencies)
       high = high + 0.001 if low == high else high
       ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
       theta = theta / s * ramp + theta * (1 - ramp)
