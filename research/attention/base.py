@@ -32,6 +32,10 @@ class Mixer(nnx.Module):
   of them tests a mixer's class or attributes otherwise); each has a default here."""
 
   hyperparameters = {}
+  # What a saved config without one of today's hyperparameters meant, where that differs from
+  # its default: {field: value}, or a function of the run's settings giving one
+  # (research/runs/config_fields.py loads and compares old runs with it).
+  predated_settings = {}
   # Small settings for the conformance suite (tests/): a subset of hyperparameters that keeps a
   # tiny model fast, and a chunked form's chunk small enough that the test length spans at
   # least three chunks (see `chunk_length`).
@@ -48,6 +52,8 @@ class Mixer(nnx.Module):
   has_attention_weights = False
   # Whether model.<settings>.window / .sinks give it a sliding window with a rolling cache.
   supports_sliding_window = False
+  # Whether it reads model.num_kv_heads (GQA); others fix their key/value heads themselves.
+  reads_num_kv_heads = False
 
   @classmethod
   def validate(cls, settings, model_config):

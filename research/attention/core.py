@@ -20,6 +20,12 @@ function in research.attention.kv_cache). Query head n reads key/value head n //
 * `mask` (research.attention.masks.MaskSpec) declares the visible keys: causal, a sliding window
   with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
   attention within a document.
+* `sink_queries` (`SinkQueries`: queries and their score inputs at the queries' cache positions)
+  give the sink pairs (masks.sink_pairs: a sink W or more tokens back) their logits, as
+  StreamingLLM's positions in its rolling cache do: score_mod(scale q_sink . k) with the sink
+  score inputs. xla writes the logits out (the sink columns twice), blockwise computes the sink
+  queries' logits only in the tiles that may hold a sink pair, forward and backward; cudnn
+  refuses them.
 
 Backends (what each can express, and which `auto` picks):
   xla        jax.nn.dot_product_attention(implementation="xla") with the bias and mask
@@ -39,7 +45,7 @@ analyses read them from here).
 """
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,12 +90,32 @@ class ScoreMod:
     return logits_BxNxTxS
 
 
+class SinkQueries(NamedTuple):
+  """The queries of the sink pairs (masks.sink_pairs: a key seen only because it is a sink, W or
+  more tokens back) under StreamingLLM's cache positions: every such pair's logit is
+  score_mod(scale q_sink . k) with the score inputs `inputs` on the query side, every other
+  pair's score_mod(scale q . k) with the usual inputs. q: [B, T, N, H], the queries at their
+  cache positions (a rotary scheme's), or None for the queries themselves (a bias scheme: only
+  the score inputs differ); inputs: the queries' score inputs at their cache positions, a pytree
+  as `inputs`."""
+  q: Any
+  inputs: Any
+
+
+def _with_sinks(sink_queries, mask):
+  """sink_queries, or None where the mask has no sink pairs."""
+  return sink_queries if mask.window and mask.sinks else None
+
+
 def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=None,
-             platform=None):
+             platform=None, sink_queries=False):
   """Why `backend` cannot run a call with these properties ([] when it can)."""
   platform = platform or jax.default_backend()
   reasons = []
   if backend == "cudnn":
+    if sink_queries:
+      reasons.append("'cudnn' takes one query per token, not the sink queries of StreamingLLM's "
+                     "cache positions (model.softmax.sink_positions='cache')")
     if platform != "gpu":
       reasons.append(f"'cudnn' needs a GPU, but JAX runs on {platform!r}")
     if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
@@ -104,7 +130,7 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
 
 
 def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=None, *,
-                 score_mod=None, head_dim=None, value_dim=None):
+                 score_mod=None, head_dim=None, value_dim=None, sink_queries=False):
   """The backend that `auto` runs for a sequence of `length` tokens: cudnn where it may run
   (among `backends`, and nothing in the call it refuses); on a CPU xla for short sequences and
   blockwise from AUTO_BLOCKWISE_FROM tokens on, where skipping masked tiles and never writing
@@ -113,7 +139,7 @@ def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=
   platform = platform or jax.default_backend()
   if "cudnn" in backends and not refusals("cudnn", score_mod=score_mod, head_dim=head_dim,
                                           value_dim=value_dim, dtype=compute_dtype,
-                                          platform=platform):
+                                          platform=platform, sink_queries=sink_queries):
     return "cudnn"
   if platform != "cpu":
     return "xla"
@@ -159,16 +185,40 @@ def _default_inputs(inputs, length):
   return jnp.arange(length)[None] if inputs is None else inputs
 
 
+def _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params, inputs,
+                 sink_queries, mask, segments_BxT):
+  """`logits` [B, N, T, T] with the sink pairs' logits from the sink queries: only the first S
+  keys can be sinks of a single document, any key in packed documents."""
+  t = q_BxTxNxH.shape[1]
+  columns = t if segments_BxT is not None else min(mask.sinks, t)
+  k_inputs = jax.tree.map(lambda x: x[:, :columns], inputs)
+  sinks = (raw[..., :columns] if sink_queries.q is None
+           else grouped_logits(sink_queries.q, k_BxTxKxH[:, :columns], scale))
+  if score_mod is not None:
+    sinks = score_mod.apply(sinks, score_params, sink_queries.inputs, k_inputs)
+  index = jnp.arange(t)
+  document_index = (None if segments_BxT is None
+                    else masks.positions_in_documents(segments_BxT)[:, :columns])
+  pairs = mask.sink_pairs(index, index[:columns], document_index)
+  pairs = pairs[None, None] if pairs.ndim == 2 else pairs[:, None]
+  head = jnp.where(pairs, sinks.astype(logits.dtype), logits[..., :columns])
+  return jnp.concatenate([head, logits[..., columns:]], axis=-1)
+
+
 def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_params=(),
-                  inputs=None, mask=CAUSAL, segments_BxT=None):
+                  inputs=None, mask=CAUSAL, segments_BxT=None, sink_queries=None):
   """(float32 attention probabilities [B, N, T, T], the visible keys [B | 1, 1, T, T]) of
   `attend` with the same arguments, materialised: for analyses and interventions."""
   t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
   scale = h ** -0.5 if scale is None else scale
   inputs = _default_inputs(inputs, t)
-  logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
+  sink_queries = _with_sinks(sink_queries, mask)
+  raw = logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
   if score_mod is not None:
     logits = score_mod.apply(logits, score_params, inputs, inputs)
+  if sink_queries is not None:
+    logits = _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params,
+                          inputs, sink_queries, mask, segments_BxT)
   visible = _visible(mask, t, segments_BxT)
   logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), visible
@@ -176,35 +226,40 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
 
 def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score_params=(),
            inputs=None, mask=CAUSAL, segments_BxT=None, backend="auto", block_size=128,
-           backends=BACKENDS):
+           backends=BACKENDS, sink_queries=None):
   """softmax(score_mod(scale q k^T), mask) v of a sequence to itself; see the module docstring.
 
   scale defaults to 1/sqrt(H); inputs to the positions 0..T-1; `backends` are those the caller
-  allows `auto` to pick from."""
+  allows `auto` to pick from; sink_queries (`SinkQueries`) give the sink pairs their own queries
+  and score inputs (StreamingLLM's cache positions)."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads, width = k_BxTxKxH.shape[2], v_BxTxKxV.shape[-1]
   if n % kv_heads:
     raise ValueError(f"{kv_heads} key/value heads do not divide {n} query heads")
   scale = h ** -0.5 if scale is None else scale
   inputs = _default_inputs(inputs, t)
+  sink_queries = _with_sinks(sink_queries, mask)
+  with_sinks = sink_queries is not None
   if backend == "auto":
     backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
-                           value_dim=width)
-  reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width)
+                           value_dim=width, sink_queries=with_sinks)
+  reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width,
+                     sink_queries=with_sinks)
   if reasons:
     raise ValueError(f"attention backend {backend!r} cannot run this call: {'; '.join(reasons)}")
   if backend == "blockwise":
     return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
-                     block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT)
+                     block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,
+                     sink_queries=sink_queries)
   visible = _sequence_mask(mask, t, segments_BxT)
-  if (score_mod is None or score_mod.additive) and width == h:
+  if (score_mod is None or score_mod.additive) and width == h and not with_sinks:
     bias = None if score_mod is None else score_mod.bias(score_params, inputs, inputs)
     bias = None if bias is None else bias.astype(q_BxTxNxH.dtype)
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, bias=bias, mask=visible,
                                         is_causal=visible is None, scale=scale,
                                         implementation=backend)
-  # A `modify` or values wider than keys: the same float32 computation written out.
+  # A `modify`, values wider than keys or sink queries: the same float32 computation written out.
   probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
                            score_params=score_params, inputs=inputs, mask=mask,
-                           segments_BxT=segments_BxT)
+                           segments_BxT=segments_BxT, sink_queries=sink_queries)
   return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)

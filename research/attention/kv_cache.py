@@ -16,7 +16,9 @@ writes them first and attends to the cache up to them (reading before the write,
 cache to keep the old values for the readers); the rolling layout attends to the cached slots and
 the new tokens, then writes (new tokens may overwrite slots that the first of them still see).
 The score inputs of cached keys are computed from their token indices and kept arrays by the
-mixer's `score_inputs(positions, arrays)`, as for the sequence path.
+mixer's `score_inputs(positions, arrays)`, as for the sequence path. With StreamingLLM's cache
+positions (core.SinkQueries) the logits of a query and a sink outside its window (the first S
+slots, and any new token that is a sink of a later one) come from the query at its cache position.
 """
 
 import itertools
@@ -38,12 +40,15 @@ def to_cache_layout(name, x_BxTx___):
   return x_BxTx___.swapaxes(1, 2).reshape(b * k, t, h)
 
 
-def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=()):
+def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
+                     sink_queries=None):
   """softmax(score_mod(scale q k^T), mask) v of T queries against groups of keys in the cache's
   layout, in one softmax over all of them: parts are (k [B K, S_i, H], v [B K, S_i, V], q_inputs,
-  k_inputs, mask [B' | 1, 1, T, S_i]), e.g. the cache and the new tokens. Logits and softmax in
-  float32, as jax.nn.dot_product_attention's xla implementation; the query heads of a group share
-  their key/value head without a repeat.
+  k_inputs, mask [B' | 1, 1, T, S_i]) and optionally the part's sink pairs [B' | 1, 1, T, P_i]
+  (masks.sink_pairs of its first P_i keys), e.g. the cache and the new tokens. The sink pairs
+  take their logits from `sink_queries` (core.SinkQueries: StreamingLLM's cache positions).
+  Logits and softmax in float32, as jax.nn.dot_product_attention's xla implementation; the query
+  heads of a group share their key/value head without a repeat.
 
   Both matmuls read the cache as it is stored, so that XLA's CPU dot copies none of it: one
   batch axis, k the left operand with the logits keys first, [B K, S, G, T], and v the right
@@ -54,8 +59,10 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=()):
   b, t, n, h = q_BxTxNxH.shape
   kv_heads = parts[0][0].shape[0] // b
   group = n // kv_heads
-  q_XxGxTxH = (q_BxTxNxH.reshape(b, t, kv_heads, group, h).transpose(0, 2, 3, 1, 4)
-               .reshape(b * kv_heads, group, t, h))  # X = B K
+
+  def grouped(q_BxTxNxH):  # -> [B K, G, T, H], X = B K
+    return (q_BxTxNxH.reshape(b, t, kv_heads, group, h).transpose(0, 2, 3, 1, 4)
+            .reshape(b * kv_heads, group, t, h))
 
   def keys_first(x):  # [B' | 1, N | 1, T, S] -> [B K, S, G, T]
     x = (x.reshape(x.shape[0], kv_heads, group, *x.shape[2:]) if x.shape[1] == n
@@ -68,10 +75,7 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=()):
     return x_XxSxGxT.reshape(b, kv_heads, s, group, t).transpose(0, 1, 3, 4, 2).reshape(
         b, n, t, s)
 
-  logits = []
-  for k_XxSxH, _, q_inputs, k_inputs, mask in parts:
-    logits_XxSxGxT = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH * scale,
-                                preferred_element_type=jnp.float32)
+  def modified(logits_XxSxGxT, q_inputs, k_inputs):
     if score_mod is not None and score_mod.bias is not None:
       bias = score_mod.bias(score_params, q_inputs, k_inputs)
       if bias is not None:
@@ -80,6 +84,25 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=()):
       modified = score_mod.modify(heads_and_queries_first(logits_XxSxGxT), score_params,
                                   q_inputs, k_inputs)
       logits_XxSxGxT = keys_first(modified.astype(jnp.float32))
+    return logits_XxSxGxT
+
+  q_XxGxTxH = grouped(q_BxTxNxH) * scale
+  sink_q_XxGxTxH = (None if sink_queries is None or sink_queries.q is None
+                    else grouped(sink_queries.q) * scale)
+  logits = []
+  for k_XxSxH, _, q_inputs, k_inputs, mask, *sink_pairs in parts:
+    raw = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH, preferred_element_type=jnp.float32)
+    logits_XxSxGxT = modified(raw, q_inputs, k_inputs)
+    if sink_queries is not None and sink_pairs:  # the first P keys may be sinks
+      pairs = sink_pairs[0]
+      p = pairs.shape[-1]
+      sinks = (raw[:, :p] if sink_q_XxGxTxH is None else
+               jnp.einsum("XSH,XGTH->XSGT", k_XxSxH[:, :p], sink_q_XxGxTxH,
+                          preferred_element_type=jnp.float32))
+      sinks = modified(sinks, sink_queries.inputs, jax.tree.map(lambda x: x[:, :p], k_inputs))
+      logits_XxSxGxT = jnp.concatenate(
+          [jnp.where(keys_first(pairs), sinks, logits_XxSxGxT[:, :p]), logits_XxSxGxT[:, p:]],
+          axis=1)
     logits.append(jnp.where(keys_first(mask), logits_XxSxGxT, core.LARGE_NEGATIVE))
   probs_XxGxTxS = jax.nn.softmax(jnp.moveaxis(jnp.concatenate(logits, axis=1), 1, -1), axis=-1)
   splits = list(itertools.accumulate(part[0].shape[1] for part in parts[:-1]))
@@ -160,11 +183,13 @@ class KVCache:
             "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
 
   def attend(self, q_BxTxNxH, tokens, cache, positions_1xT, *, scale, score_mod=None,
-             score_params=(), score_inputs=lambda positions, arrays: positions):
+             score_params=(), score_inputs=lambda positions, arrays: positions,
+             sink_queries=None):
     """(attention of the new tokens' queries to the cache and to each other [B, T, N, V], the
     cache with their arrays written). tokens: the new tokens' per-token arrays, [B, T, ...] (key
     and value [B, T, K, H]); score_inputs(positions, arrays) gives the score inputs of tokens at
-    `positions` from their arrays (new ones, or as the cache keeps them)."""
+    `positions` from their arrays (new ones, or as the cache keeps them); sink_queries
+    (core.SinkQueries) the queries of the sink pairs under StreamingLLM's cache positions."""
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
     q_inputs = score_inputs(positions_1xT, tokens)
     if self.rolling:
@@ -175,7 +200,14 @@ class KVCache:
                 score_inputs(jnp.maximum(key_index_S, 0)[None], cache), mask[None, None])
       own = (to_cache_layout("key", tokens["key"]), to_cache_layout("value", tokens["value"]),
              q_inputs, q_inputs, self.mask.visible(new_index_T, new_index_T)[None, None])
-      y = cached_attention(q_BxTxNxH, [cached, own], scale, score_mod, score_params)
+      if sink_queries is not None and self.sinks:
+        # The sinks sit in the first S slots (token p < S in slot p); among the new tokens any
+        # may be a sink of a later one.
+        sink_slots = key_index_S[:self.sinks]
+        cached += ((self.mask.sink_pairs(new_index_T, sink_slots) & (sink_slots >= 0))[None, None],)
+        own += (self.mask.sink_pairs(new_index_T, new_index_T)[None, None],)
+      y = cached_attention(q_BxTxNxH, [cached, own], scale, score_mod, score_params,
+                           sink_queries)
       return y, self._write_rolling(tokens, cache, new_index_T)
     index = positions_1xT[0, 0]
     cache = self.write(tokens, cache, positions_1xT[0])

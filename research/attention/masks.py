@@ -12,6 +12,12 @@ pattern, arXiv:1904.10509) is a further predicate keep(i, j) of the two token in
 count tokens (in decoding: tokens since the start of the cache),
 never the position scheme's positions, which may restart at each document.
 
+A pair that is visible only because its key is a sink (i - j >= W, d(j) < S: `sink_pairs`) is
+where StreamingLLM's positions differ from the tokens' own: its code (mit-han-lab/streaming-llm,
+pos_shift) gives each cached key its slot as position and the query the slot it is appended to, so
+a sink is seen from `cache_positions` c(i) = p(i) - max(0, d(i) - (S + W - 1)), less than S + W
+away (model.softmax.sink_positions = "cache"; research/attention/softmax.py).
+
 Segments are per-token document ids [B, L], non-decreasing along each row: a packed row of
 several documents. Attention never crosses a segment boundary and recurrent mixers restart their
 state at a segment start, so a packed row computes what each document alone would.
@@ -87,6 +93,34 @@ def visible(q_index_T, k_index_S, window=0, sinks=0, k_document_index_BxS=None, 
     else:
       seen = seen & ((q - k < window) | (k_document_index_BxS[:, None, :] < sinks))
   return seen
+
+
+def sink_pairs(q_index_T, k_index_S, window=0, sinks=0, k_document_index_BxS=None):
+  """[T, S] bool (or [B, T, S] given the keys' indices within their documents): the pairs that
+  see each other only because the key is a sink, i.e. j <= i, i - j >= W and d(j) < S (empty
+  without a window or sinks). Under StreamingLLM's cache positions these pairs take the query at
+  its cache position (see `cache_positions`); every other visible pair keeps its positions."""
+  q, k = q_index_T[:, None], k_index_S[None, :]
+  if not (window and sinks):
+    return jnp.zeros(q.shape[:1] + k.shape[1:], bool)
+  far = (k <= q) & (q - k >= window)
+  if k_document_index_BxS is None:
+    return far & (k < sinks)
+  return far & (k_document_index_BxS[:, None, :] < sinks)
+
+
+def cache_positions(positions_BxL, document_index_BxL, window, sinks):
+  """The position each query takes against the sinks under StreamingLLM's cache positions
+  (mit-han-lab/streaming-llm, pos_shift: every cached key at its slot, the query at the slot it
+  is appended to): the query's position less the number of tokens of its document that the
+  rolling cache of S sinks and W window slots has evicted by then,
+
+    c(i) = p(i) - max(0, d(i) - (S + W - 1)),
+
+  with p the position and d the index within the document, so that a sink s (at position d(s))
+  is min(d(i), S + W - 1) - d(s) < S + W away; a window key keeps its distance p(i) - p(j)."""
+  evicted = jnp.maximum(document_index_BxL - (sinks + window - 1), 0)
+  return (positions_BxL - evicted).astype(positions_BxL.dtype)
 
 
 def same_segment(q_segments_BxT, k_segments_BxS):
@@ -167,6 +201,20 @@ class MaskSpec:
   def visible(self, q_index_T, k_index_S):
     """[T, S] bool: see `visible` (a query's first-token sinks, no segments)."""
     return visible(q_index_T, k_index_S, self.window, self.sinks, keep=self.keep)
+
+  def sink_pairs(self, q_index_T, k_index_S, k_document_index_BxS=None):
+    """[T, S] (or [B, T, S]) bool: see `sink_pairs`."""
+    return sink_pairs(q_index_T, k_index_S, self.window, self.sinks, k_document_index_BxS)
+
+  def sink_tiles(self, num_blocks, block, packed=False):
+    """[num_blocks, num_blocks] numpy bool: tile (i, j) may hold a sink pair (`sink_pairs`):
+    its farthest pair is W or more apart and its key block holds a sink (any block with packed
+    documents)."""
+    i, j = np.arange(num_blocks)[:, None], np.arange(num_blocks)[None, :]
+    if not (self.window and self.sinks):
+      return np.zeros((num_blocks, num_blocks), bool)
+    far = (j <= i) & ((i + 1) * block - 1 - j * block >= self.window)
+    return far & (packed | (j * block < self.sinks))
 
   def tiles(self, num_blocks, block, packed=False):
     """[num_blocks, num_blocks] numpy bool: tile (i, j) of query block i and key block j holds

@@ -20,6 +20,17 @@ Masks (research.attention.masks): causal; model.softmax.window = W > 0 keeps the
 as well (StreamingLLM, arXiv:2309.17453); segment ids of packed documents keep attention within a
 document. With a window the decode cache is a rolling buffer of S + W slots, so its bytes do not
 grow with the context.
+
+model.softmax.sink_positions says where the position scheme sees a sink that is outside the
+window. "cache" (the default) is StreamingLLM's pos_shift (mit-han-lab/streaming-llm@2e50426,
+streaming_llm/pos_shift/modify_llama.py): there every cached key is rotated at its slot (sinks
+first, then the window in token order) and the query at the slot it is appended to, so a sink is
+at most S + W - 1 away; here the pair takes the query at its cache position c(i) =
+p(i) - max(0, d(i) - (S + W - 1)) (masks.cache_positions): for a qk scheme the query `project`s
+at c(i), for a bias scheme the bias is taken at (c(i), p(s)); the window's pairs keep their
+positions, which for any scheme of the distance alone is StreamingLLM's arithmetic. The same in
+training, evaluation (xla, blockwise) and decoding. "original" keeps every token at its own
+position (the code before the setting; configs saved before it mean "original").
 """
 
 import jax
@@ -35,6 +46,8 @@ from research import positions
 from research.positions import BIAS, QK
 
 BACKENDS = core.BACKENDS
+# model.softmax.sink_positions: the positions the sinks are seen at (see SoftmaxAttention).
+SINK_POSITIONS = ("cache", "original")
 
 
 class SoftmaxAttention(base.Mixer):
@@ -42,7 +55,11 @@ class SoftmaxAttention(base.Mixer):
   key/value heads (`kv_heads`)."""
   hyperparameters = {"block_size": 128,  # blockwise backend: query and key block length
                      "window": 0,  # sliding window: the last W keys, the own included (0: all)
-                     "sinks": 0}  # with a window, the first S tokens stay visible
+                     "sinks": 0,  # with a window, the first S tokens stay visible
+                     # how the position scheme sees a sink outside the window: "cache"
+                     # (StreamingLLM's pos_shift: at its slot in the rolling cache, so every
+                     # distance is < sinks + window) or "original" (its token's own position)
+                     "sink_positions": "cache"}
   test_settings = {"block_size": 8}
   position_hooks = frozenset({QK, BIAS})
   backends = BACKENDS
@@ -81,6 +98,14 @@ class SoftmaxAttention(base.Mixer):
     return int(settings.block_size)  # the blockwise backend's tiles
 
   @classmethod
+  def predated_settings(cls, settings):
+    """{field: value} that a saved config without the field meant, given its other settings
+    (research/runs/config_fields.py): the runs saved before sink_positions existed kept every
+    token at its own position, which differs from today's default only with a window and
+    sinks."""
+    return {"sink_positions": "original"} if settings.window and settings.sinks else {}
+
+  @classmethod
   def validate(cls, settings, model_config):
     heads, kv = cls.query_heads(model_config), cls.kv_heads(model_config)
     if kv < 1 or heads % kv:
@@ -98,6 +123,10 @@ class SoftmaxAttention(base.Mixer):
     if settings.block_size < 1:
       raise ValueError(f"model.softmax.block_size must be >= 1, got {settings.block_size}")
     masks.check_window(settings.window, settings.sinks)
+    if settings.sink_positions not in SINK_POSITIONS:
+      raise ValueError(f"unknown model.softmax.sink_positions {settings.sink_positions!r}; valid: "
+                       f"{', '.join(map(repr, SINK_POSITIONS))} (StreamingLLM's positions in the "
+                       "rolling cache, or each token's own position)")
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     d, n, k = model_config.d_model, self.query_heads(model_config), self.kv_heads(model_config)
@@ -108,6 +137,7 @@ class SoftmaxAttention(base.Mixer):
     self.backend = model_config.attention_backend
     self.block_size = int(settings.block_size)
     self.mask = masks.MaskSpec(window=int(settings.window), sinks=int(settings.sinks))
+    self.sink_positions = str(settings.sink_positions)
     self.kv_cache = KVCache(k, self.mask)
     self.dtype = nn.compute_dtype(model_config)
     self.query = base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype)
@@ -148,20 +178,55 @@ class SoftmaxAttention(base.Mixer):
   def scale(self):
     return self.position.logit_scale() / self.head_dim ** 0.5
 
+  # StreamingLLM's cache positions for the sinks.
+
+  def moves_sinks(self):
+    """Whether sink_positions = "cache" changes anything: sinks, and a position scheme whose
+    queries / keys (qk) or bias this mixer applies."""
+    return (self.sink_positions == "cache" and bool(self.mask.window and self.mask.sinks)
+            and bool(self.position.hooks() & self.position_hooks))
+
+  def sink_queries(self, x_BxTxD, positions_BxT, tokens, document_index_BxT, segments_BxT=None,
+                   cache=None, index=0):
+    """core.SinkQueries of T tokens (None where moves_sinks() is False): the pairs a sink is
+    seen in only as a sink (W or more tokens back) take the query at its cache position
+    c = masks.cache_positions(positions, document_index): its queries from `project` at c (for a
+    qk scheme; None for a bias scheme, whose queries do not change) and its score inputs at c;
+    the sink keys keep their own positions, the first S of the document. As StreamingLLM's
+    pos_shift, every distance to a sink is then below S + W."""
+    if not self.moves_sinks():
+      return None
+    c_BxT = masks.cache_positions(positions_BxT, document_index_BxT, self.mask.window,
+                                  self.mask.sinks)
+    q = None
+    if QK in self.position.hooks() & self.position_hooks:
+      q = self.project(x_BxTxD, c_BxT, segments_BxT, cache=cache, index=index)[0]
+    return core.SinkQueries(q, self.score_inputs(c_BxT, tokens))
+
+  def _sequence_sink_queries(self, x_BxLxD, positions_BxL, tokens, segments_BxL):
+    if not self.moves_sinks():
+      return None
+    document_index = (jnp.arange(x_BxLxD.shape[1])[None] if segments_BxL is None
+                      else masks.positions_in_documents(segments_BxL))
+    return self.sink_queries(x_BxLxD, positions_BxL, tokens, document_index, segments_BxL)
+
   # The sequence path, the analyses and decoding, all through the core.
 
-  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None):
-    """Attention of a whole sequence to itself through the configured backend."""
+  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, sink_queries=None):
+    """Attention of a whole sequence to itself through the configured backend (sink_queries:
+    see `sink_queries`)."""
     score_mod, params = self.score_mod()
     return core.attend(q_BxLxNxH, tokens["key"], tokens["value"], scale=self.scale(),
                        score_mod=score_mod, score_params=params,
                        inputs=self.score_inputs(positions_BxL, tokens), mask=self.mask,
                        segments_BxT=segments_BxL, backend=self.backend,
-                       block_size=self.block_size, backends=self.backends)
+                       block_size=self.block_size, backends=self.backends,
+                       sink_queries=sink_queries)
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     q, tokens = self.project(x_BxLxD, positions_BxL, segments_BxL)
-    return self.out(self.attend(q, tokens, positions_BxL, segments_BxL))
+    sinks = self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL)
+    return self.out(self.attend(q, tokens, positions_BxL, segments_BxL, sinks))
 
   def _probabilities(self, x_BxLxD, positions_BxL, segments_BxL):
     q, tokens = self.project(x_BxLxD, positions_BxL, segments_BxL)
@@ -169,7 +234,8 @@ class SoftmaxAttention(base.Mixer):
     probs, visible = core.probabilities(
         q, tokens["key"], scale=self.scale(), score_mod=score_mod, score_params=params,
         inputs=self.score_inputs(positions_BxL, tokens), mask=self.mask,
-        segments_BxT=segments_BxL)
+        segments_BxT=segments_BxL,
+        sink_queries=self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL))
     return probs, visible, tokens
 
   def attention_weights(self, x_BxLxD, positions_BxL, segments_BxL=None):
@@ -201,16 +267,19 @@ class SoftmaxAttention(base.Mixer):
     cache attends only to itself: the sequence path (blockwise skips masked tiles)."""
     positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
     q, tokens = self.project(x_BxTxD, positions_1xT, cache=cache, index=index)
+    # Decoding has no documents: a token's index in its document is its index.
+    sinks = self.sink_queries(x_BxTxD, positions_1xT, tokens, positions_1xT, cache=cache,
+                              index=index)
     score_mod, params = self.score_mod()
 
     def from_cache(q, tokens, cache):
       return self.kv_cache.attend(q, tokens, cache, positions_1xT, scale=self.scale(),
                                   score_mod=score_mod, score_params=params,
-                                  score_inputs=self.score_inputs)
+                                  score_inputs=self.score_inputs, sink_queries=sinks)
 
     def prefill_empty(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-      return (self.attend(q, tokens, positions_1xT),
+      return (self.attend(q, tokens, positions_1xT, sink_queries=sinks),
               self.kv_cache.write(tokens, cache, positions_1xT[0]))
 
     if x_BxTxD.shape[1] == 1:
@@ -235,7 +304,12 @@ class SoftmaxAttention(base.Mixer):
     if window:
       w = min(window, context_length)
       keys = (w * (w + 1) / 2 + (context_length - w) * min(w + sinks, context_length)) / context_length
-    return 2 * self.num_heads * (self.head_dim + self.value_head_dim) * keys
+    flops = 2 * self.num_heads * (self.head_dim + self.value_head_dim) * keys
+    if self.moves_sinks() and QK in self.position.hooks():
+      # The sink queries' logits: S more q k^T per query past the window (cache positions).
+      far = max(context_length - window, 0) / context_length
+      flops += 2 * self.num_heads * self.head_dim * sinks * far
+    return flops
 
 
 class MHA(SoftmaxAttention):
@@ -253,6 +327,7 @@ class MQA(SoftmaxAttention):
 
 
 class GQA(SoftmaxAttention):
+  reads_num_kv_heads = True
 
   @classmethod
   def kv_heads(cls, model_config):

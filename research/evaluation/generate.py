@@ -39,7 +39,8 @@ from research.data import vocab
 # their shapes (the rotary context extensions, the softmax backend, and a sliding window with
 # sinks, which StreamingLLM, arXiv:2309.17453, applies to models trained with full attention).
 GENERATION_FIELDS = config_fields.ROTARY_SCALING_FIELDS + (
-    "model.attention_backend", "model.softmax.window", "model.softmax.sinks")
+    "model.attention_backend", "model.softmax.window", "model.softmax.sinks",
+    "model.softmax.sink_positions")
 
 
 def encode(text: str) -> list[int]:
