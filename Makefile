@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench accelerator-check clean
+.PHONY: demo test fuzz bench accelerator-check clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# Config fuzzing beyond the examples `make test` draws (tests/test_fuzz_configs.py); FUZZ_SEED=N
+# repeats a run.
+fuzz: $(STAMP)
+	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-300} $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_configs.py
 
 bench: $(STAMP)
 	$(PY) -m experiments.bench --suite=mixers --workdir=runs/bench

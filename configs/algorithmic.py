@@ -48,10 +48,10 @@ def get_config(preset="quick"):
                            num_steps=500 if quick else 10_000, learning_rate=1e-3,
                            warmup_steps=50 if quick else 1000, log_every=100,
                            checkpoint_every=500 if quick else 2000))
-  config.eval.update(dict(lengths=lengths, modes=("nonoverlapping",), batch_size=32))
-  # Learned positions: a row for every position that any task is evaluated at.
-  config.model.learned.max_length = max(max(_lengths(task, preset)[1])
-                                        for task in algorithmic.SUITE)
+  config.eval.update(dict(lengths=lengths, batch_size=32))
+  if not quick:  # learned positions (full sweep): a row for every position any task reaches
+    config.model.learned.max_length = max(max(_lengths(task, preset)[1])
+                                          for task in algorithmic.SUITE)
   return config
 
 

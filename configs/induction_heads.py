@@ -40,10 +40,10 @@ def get_config(preset="quick"):
     config.model.update(dict(d_model=64, num_kv_heads=4, vocab_size=66))
     config.train.update(dict(num_steps=2000, batch_size=32, seq_len=64, learning_rate=3e-3,
                              warmup_steps=100, log_every=100, checkpoint_every=1000))
-    config.eval.update(dict(lengths=(64,), modes=("nonoverlapping",), batch_size=64))
+    config.eval.update(dict(lengths=(64,), batch_size=64))
   else:
     config.data.name = "stdlib_bytes"
-    config.model.update(dict(d_model=512, num_heads=8, num_kv_heads=8))
+    config.model.update(dict(d_model=512, num_heads=8))
     config.train.update(dict(num_steps=20000, batch_size=64, seq_len=512, learning_rate=1e-3,
                              warmup_steps=1000, log_every=200, checkpoint_every=2000))
     config.eval.update(dict(lengths=(512,), modes=("nonoverlapping",), num_tokens=65536))

@@ -30,7 +30,7 @@ def get_config(preset="quick"):
   config = base.get_config()
   config.data.name = "stdlib_bytes"
   if preset == "quick":
-    config.model.update(dict(num_layers=2, d_model=128, num_heads=4, num_kv_heads=2, mlp_ratio=4))
+    config.model.update(dict(num_layers=2, d_model=128, num_heads=4, mlp_ratio=4))
     # 800 updates of 8 x 128 tokens: at this scale the models are limited by updates, not
     # tokens; 200 updates of 32 x 128 (the same compute) leave sinusoidal and RoPE undertrained.
     config.train.update(dict(num_steps=800, batch_size=8, seq_len=128, learning_rate=3e-3,

@@ -35,7 +35,6 @@ def get_config(preset="quick"):
   config = base.get_config()
   quick = preset == "quick"
   config.data.update(dict(name="passkey", needle_value_digits=5,
-                          num_distractors=1 if quick else 3, num_values=2 if quick else 4,
                           num_train_examples=20_000 if quick else 50_000,
                           num_eval_examples=64 if quick else 128))
   config.model.update(dict(num_layers=2 if quick else 4, d_model=128 if quick else 256))
@@ -48,8 +47,10 @@ def get_config(preset="quick"):
   config.eval.update(dict(
       lengths=tuple(seq_len * k for k in ((1, 2, 4) if quick else (1, 2, 4, 8, 16))),
       depths=(0.0, 0.25, 0.5, 0.75, 1.0) if quick else tuple(i / 10 for i in range(11)),
-      modes=("nonoverlapping",), batch_size=16 if quick else 4))
-  config.model.learned.max_length = max(config.eval.lengths)  # a row for every evaluated position
+      batch_size=16 if quick else 4))
+  if not quick:  # what only the full sweep's members read (research.runs.unread)
+    config.data.update(dict(num_distractors=3, num_values=4))  # needle_multikey, _multivalue
+    config.model.learned.max_length = max(config.eval.lengths)  # a row per evaluated position
   return config
 
 

@@ -23,6 +23,7 @@ def get_config(preset="quick"):
   base.check_preset(preset)
   config = lm_extrapolation.get_config(preset)
   config.eval.rope_scalings = ()  # configs/lm_extrapolation.py has the RoPE-scaling rows
+  config.model.num_kv_heads = base.get_config().model.num_kv_heads  # no GQA member reads it
   return config
 
 

@@ -29,7 +29,7 @@ def get_config(preset="quick"):
   config.train.update(dict(seq_len=96, batch_size=32, learning_rate=1e-3, log_every=100,
                            num_steps=1000 if preset == "quick" else 10_000,
                            warmup_steps=100, checkpoint_every=1000))
-  config.eval.update(dict(lengths=(96, 192, 384, 960), modes=("nonoverlapping",), batch_size=32))
+  config.eval.update(dict(lengths=(96, 192, 384, 960), batch_size=32))
   return config
 
 

@@ -9,6 +9,9 @@ overridden on the command line, e.g.
       --config.model.attention=gqa --config.model.num_kv_heads=2
 """
 
+import json
+from typing import Any, Mapping
+
 import ml_collections
 
 from research import variants
@@ -110,3 +113,15 @@ def get_config():
   e.bootstrap_samples = 1000  # resamples of the 95% intervals over windows / examples
   e.bootstrap_seed = 0
   return config
+
+
+def flatten(config: ml_collections.ConfigDict | Mapping) -> dict[str, Any]:
+  """{"train.seq_len": 128, ...}: every leaf by dotted name, as JSON values (tuples as lists)."""
+  tree = json.loads(config.to_json()) if isinstance(config, ml_collections.ConfigDict) else config
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      flat.update({f"{key}.{name}": leaf for name, leaf in flatten(value).items()})
+    else:
+      flat[key] = value
+  return flat

@@ -273,13 +273,6 @@ def test_bad_scheme_settings_name_what_is_valid(settings, message):
     research.build_model(tiny_model_config(position=position, **settings), rngs=nnx.Rngs(0))
 
 
-def test_a_scaling_on_a_scheme_without_rotations_is_refused():
-  with pytest.raises(ValueError, match="model.rope.scaling='yarn' needs a rotary position scheme, "
-                                       "but model.position='alibi' has no rotations"):
-    research.build_model(tiny_model_config(position="alibi", rope=dict(scaling="yarn")),
-                         rngs=nnx.Rngs(0))
-
-
 def test_unknown_scheme_field_is_refused():
   config = tiny_model_config(position="fire")
   config.fire.hiden = 3

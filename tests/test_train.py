@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+from configs import base
 from research.runs import checkpoints
 from research import data
 from research.evaluation import extrapolation
@@ -154,7 +155,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_checkpoints_finite(tmp_path):
      "the longest of eval.lengths = 64 exceeds the 40 positions of the 'learned' table"),
     (dict(model=dict(randomize_max_length=16)), "model.randomize_max_length=16 must be >= train.seq_len=32"),
     (dict(model=dict(attention="linear", position="t5")), "'linear' does not support position 't5'"),
-    (dict(model=dict(position="alibi", rope=dict(scaling="yarn"))), "needs a rotary position scheme"),
+    (dict(model=dict(position="alibi", rope=dict(scaling="yarn"))),
+     "model.rope.scaling='yarn' is read only by a model with model.position=rope"),
     (dict(model=dict(position="t5", t5=dict(num_buckets=0))), "model.t5.num_buckets must be >= 2"),
     (dict(model=dict(mlp_ratio=-1)), "model.mlp_ratio must be >= 0"),
     (dict(model=dict(feed_forward="moe", moe=dict(num_experts=1))), "model.moe.num_experts=1 is below"),
@@ -200,7 +202,8 @@ def test_workdir_of_a_different_config_is_refused_and_kept(tmp_path):
   config.train.warmup_steps = 1
   train.train_and_evaluate(config, str(tmp_path))
   before = open(tmp_path / "metrics.jsonl").read()
-  config.model.position = "alibi"
+  config.model.position = "alibi"  # and its rope settings back at their defaults, as unread
+  config.model.rope.original_length = base.get_config().model.rope.original_length
   with pytest.raises(ValueError, match="holds a run of a different config.*model.position"):
     train.train_and_evaluate(config, str(tmp_path))
   assert open(tmp_path / "metrics.jsonl").read() == before

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from configs import base
 from research.evaluation import results as eval_results
 from research.evaluation import extrapolation
 from research.results import report
@@ -116,7 +117,8 @@ def test_a_needle_run_gets_a_row_per_depth_and_one_pooling_them(tmp_path):
   config.data.update(dict(name="passkey", needle_value_digits=2, num_train_examples=64,
                           num_eval_examples=4))
   config.train.seq_len = 128
-  config.eval.update(dict(lengths=(128,), depths=(0.0, 1.0), bootstrap_samples=50))
+  config.eval.update(dict(lengths=(128,), depths=(0.0, 1.0), bootstrap_samples=50,
+                          num_tokens=base.get_config().eval.num_tokens))  # corpora only
   workdir = str(tmp_path / "run")
   train.train_and_evaluate(config, workdir)
   rows = extrapolation.evaluate_run(config, workdir, progress=lambda line: None)

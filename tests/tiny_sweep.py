@@ -5,6 +5,7 @@ from tests import tiny_config
 
 def get_config(arg=""):
   config = tiny_config.get_config(arg)
+  config.model.num_kv_heads = 2  # the gqa member's
   config.train.update(dict(num_steps=4, checkpoint_every=4, log_every=2))
   config.eval.update(dict(lengths=(32, 64), num_tokens=256, sliding_stride=16))
   return config

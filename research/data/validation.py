@@ -35,10 +35,8 @@ def _problems(config):
     problems.append(f"eval.lengths={tuple(e.lengths)} must be one or more positive lengths")
   if t.seed < 0:
     problems.append(f"train.seed={t.seed} must be >= 0")
-  unknown_modes = [m for m in e.modes if m not in EVAL_MODES]
-  if unknown_modes:
-    problems.append(f"eval.modes has unknown {unknown_modes}; valid: {', '.join(EVAL_MODES)}")
-  if t.batch_size > 0 and t.batch_size % config.distributed.num_processes:
+  if (t.batch_size > 0 and config.distributed.coordinator_address
+      and t.batch_size % config.distributed.num_processes):
     problems.append(f"train.batch_size={t.batch_size} is not divisible by "
                     f"distributed.num_processes={config.distributed.num_processes}")
   problems += _packing_problems(config)
@@ -150,6 +148,9 @@ def _task_problems(config):
 def _corpus_problems(config):
   d, t, e = config.data, config.train, config.eval
   problems = []
+  unknown_modes = [m for m in e.modes if m not in EVAL_MODES]
+  if unknown_modes:
+    return [f"eval.modes has unknown {unknown_modes}; valid: {', '.join(EVAL_MODES)}"]
   if e.num_tokens < max(e.lengths):
     problems.append(
         f"eval.num_tokens={e.num_tokens} must be >= the longest eval length {max(e.lengths)}, so "

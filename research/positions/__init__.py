@@ -44,19 +44,6 @@ def validate(model_config, geometries=()):
   settings = REGISTRY.settings(name, model_config)
   for geometry in dict.fromkeys(g.shared() for g in geometries) or [Geometry.of_model(model_config)]:
     cls.validate(settings, geometry)
-  for other in REGISTRY:  # a scaling set on a scheme that is not the one in use
-    key = REGISTRY.settings_key(other)
-    if other == name or not rotary(other) or key not in model_config:
-      continue
-    scaling = model_config[key].scaling
-    if scaling == "none":
-      continue
-    if rotary(name):
-      raise ValueError(f"model.{key}.scaling={scaling!r} is set, but model.position={name!r} "
-                       f"reads model.{REGISTRY.settings_key(name)}.scaling; set that one instead")
-    raise ValueError(f"model.{key}.scaling={scaling!r} needs a rotary position scheme, but "
-                     f"model.position={name!r} has no rotations; rotary schemes: "
-                     f"{', '.join(n for n in REGISTRY if rotary(n))}")
   return cls
 
 

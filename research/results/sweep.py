@@ -4,7 +4,9 @@ An experiment config file defines `get_config(preset)` and `get_sweep(preset)`, 
 of override dicts such as {"model.attention": "mha", "model.position": "alibi", "train.seed": 0}.
 Each member trains in DIR/runs/<name>/ and is evaluated at every eval length (research.
 extrapolation); DIR/runs/<name>/status.json says done, failed (with the error) or skipped (an
-incompatible attention x position pair, with the reason). A rerun does only what is not done:
+incompatible attention x position pair, with the reason). A setting of the experiment that a member does not read (eval.rope_scalings in an ALiBi member,
+model.learned.* beside other schemes) is reset to its default in that member (research.runs.unread);
+one that no member reads is refused. A rerun does only what is not done:
 it trains unfinished members and evaluates finished ones at the settings they have no results
 for (eval fields may change between reruns; fields that change training may not).
 """
@@ -25,6 +27,7 @@ from research.evaluation import extrapolation
 from research import model as model_lib
 from research.training import loop as train
 from research.runs import lock as workdir_lock
+from research.runs import unread
 from research.runs import workdirs
 
 
@@ -80,9 +83,14 @@ def expand(sweep, base_config, num_devices):
   if not sweep:
     raise ValueError("the sweep is empty: get_sweep() returned no overrides; give at least one "
                      "override dict (an empty dict {} runs the base config)")
-  members, names = [], set()
+  members, names, never_read = [], set(), None
   for index, overrides in enumerate(sweep):
     config = apply_overrides(base_config, overrides)
+    # The experiment's shared settings apply to the members that read them (module docstring).
+    not_read_here = unread.experiment_settings_not_read(config, overrides)
+    config = unread.reset(config, not_read_here)
+    never_read = dict(not_read_here) if never_read is None else {
+        name: who for name, who in never_read.items() if name in not_read_here}
     name = run_name(overrides)
     if name in names:
       raise ValueError(f"two sweep members are both named {name!r}; make their overrides differ")
@@ -95,7 +103,12 @@ def expand(sweep, base_config, num_devices):
     except ValueError as e:
       raise ValueError(f"sweep member {index} ({name}): {e}") from e
     members.append(member)
+  if never_read:
+    raise ValueError("settings of the experiment that no member of its sweep reads: "
+                     + "; ".join(f"{name} is read only by {who}" for name, who in never_read.items())
+                     + "; remove them, or add a member that reads them")
   return members
+
 
 
 def check_sweep_workdir(workdir: str, base_config: ml_collections.ConfigDict,

@@ -10,7 +10,14 @@ A workdir's identity is the set of fields that change training. Not part of it:
     (model.attention_backend: every backend computes the same attention, so a run trained with
     xla may resume with auto, or move to cudnn on a GPU).
 A field that a saved config predates counts as unchanged while it has its default
-(research/defaults.py): the default reproduces what the code did before the field existed.
+(research/defaults.py): the default reproduces what the code did before the field existed. A field
+that the run does not read (research.runs.unread: a sweep's shared setting such as
+model.learned.max_length in an ALiBi member saved before that rule) does not count either, and a
+saved config is read without such settings. Where a new field's default changes what the code
+computes, the variant that reads it declares what its absence meant (`predated_settings`, a dict
+or a function of the run's settings: model.softmax.sink_positions is "original" for a run with
+sinks): a saved config without the field loads with that value, and counts as unchanged while it
+has it.
 """
 
 import difflib
@@ -22,6 +29,9 @@ import ml_collections
 
 from research import defaults
 from research import positions
+from research import variants
+from research.defaults import flatten  # noqa: F401 (config_fields.flatten, as before)
+from research.runs import unread
 
 ROTARY_SCALING_FIELDS = tuple(
     f"model.{positions.REGISTRY.settings_key(name)}.{field}"
@@ -32,18 +42,6 @@ EXECUTION_FIELDS = ("train.log_every", "train.checkpoint_every", "train.keep_che
                     "train.keep_checkpoints_at",
                     "train.eval_every", "train.eval_batches", "train.tensorboard", "mesh",
                     "distributed", "data.dir", "model.attention_backend")
-
-
-def flatten(config: ml_collections.ConfigDict | Mapping) -> dict[str, Any]:
-  """{"train.seq_len": 128, ...}: every leaf by dotted name, as JSON values (tuples as lists)."""
-  tree = json.loads(config.to_json()) if isinstance(config, ml_collections.ConfigDict) else config
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      flat.update({f"{key}.{name}": leaf for name, leaf in flatten(value).items()})
-    else:
-      flat[key] = value
-  return flat
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -58,13 +56,39 @@ def changes_training(name: str) -> bool:
   return not _within(name, EVALUATION_FIELDS + EXECUTION_FIELDS)
 
 
+def predated_values(saved: Mapping) -> dict[str, Any]:
+  """{dotted name: value} of the fields that a saved config (flat, by dotted name) predates and
+  whose absence meant something other than today's default: each registered variant's
+  `predated_settings`, a dict {field: value}, or a function of the saved settings giving one
+  (so that a field that changes nothing in that run, e.g. sink_positions without sinks, keeps
+  today's default)."""
+  values = {}
+  model = defaults.get_config().model
+  for registry in variants.REGISTRIES:
+    for name in registry:
+      predated = registry.lookup(name).predated_settings
+      key = registry.settings_key(name)
+      if not predated or key not in model:
+        continue
+      prefix, settings = f"model.{key}.", model[key].copy_and_resolve_references()
+      for dotted, value in saved.items():
+        if dotted.startswith(prefix) and dotted[len(prefix):] in settings:
+          settings[dotted[len(prefix):]] = value
+      predated = predated(settings) if callable(predated) else predated
+      values.update({prefix + field: value for field, value in predated.items()
+                     if prefix + field not in saved})
+  return values
+
+
 def training_differences(saved: Mapping, current: ml_collections.ConfigDict) -> list[str]:
   """'field: saved -> current' for every field that changes training and differs between a saved
   config (the nested dict of a config.json) and `current`; empty if they train the same run."""
+  not_read = unread.not_read(current)
   saved, current, default = flatten(saved), flatten(current), flatten(defaults.get_config())
+  default.update(predated_values(saved))
   differences = []
   for name in sorted(saved.keys() | current.keys()):
-    if not changes_training(name):
+    if not changes_training(name) or any(_within(name, (section,)) for section in not_read):
       continue
     if name not in saved:
       if current[name] != default.get(name):
@@ -89,7 +113,8 @@ def load_saved(run_dir: str) -> ml_collections.ConfigDict:
 
 def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
   """A saved config (nested dict, read from `source`) over the current defaults, so fields that
-  it predates take their defaults (see training_differences)."""
+  it predates take their defaults (see training_differences), without the settings its run did
+  not read."""
   saved = flatten(saved)
   config = defaults.get_config()
   unknown = sorted(saved.keys() - flatten(config).keys())
@@ -102,7 +127,13 @@ def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
     for section in sections:
       node = node[section]
     node[field] = tuple(value) if isinstance(node[field], tuple) else value
-  return config
+  for name, value in predated_values(saved).items():  # what the run computed before the field
+    *sections, field = name.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return unread.reset(config, unread.unread_settings(config))
 
 
 def closest_field(name: str, config: ml_collections.ConfigDict) -> str | None:

@@ -8,6 +8,7 @@ import ml_collections
 
 from research.runs import checkpoints
 from research.runs import config_fields
+from research.runs import unread
 from research import data
 from research import model as model_lib
 from research import positions
@@ -97,6 +98,7 @@ def validate_config(config, num_devices, process_count=1):
   if config.eval.batch_size % batch_parallel:
     raise ValueError(f"eval.batch_size={config.eval.batch_size} must be a multiple of the "
                      f"data-parallel size data*fsdp={batch_parallel}")
+  unread.check(config)
   return shape
 
 

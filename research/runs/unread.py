@@ -1,0 +1,163 @@
+"""No setting is silently ignored: which config fields a run reads, given what it chose.
+
+A field is read or not depending on other fields: `data.corpus_path` only by `data.name=text_dir`,
+`model.fire.*` only by a model whose position scheme is fire, `eval.depths` only by the needle
+tasks. `not_read(config)` lists the fields the config's choices do not read (each with who would
+read it); `check(config)` refuses any of them set away from its default, before any work
+(research.training.checks.validate_config calls it), naming who reads it.
+
+Two places apply the same rule without refusing:
+  - a sweep's shared settings (the experiment file's, e.g. eval.rope_scalings for a sweep that
+    also has ALiBi members) apply to the members that read them: research.results.sweep resets
+    them to their defaults in the members that do not, and refuses a shared setting that no
+    member reads;
+  - a run's saved config.json is read without the settings its run did not read
+    (research.runs.config_fields.merge_saved), so runs saved before this rule still evaluate.
+"""
+
+from typing import Iterator
+
+import ml_collections
+
+from research import attention
+from research import defaults
+from research import feed_forward
+from research import model as model_lib
+from research import positions
+from research.data import catalog
+
+
+def _used_variants(config) -> dict[str, str]:
+  """{model.<settings key>: the variant names of this model that read it}."""
+  m = config.model
+  used = {}
+  for registry, names in [(attention.REGISTRY, model_lib.layer_types(m)),
+                          (positions.REGISTRY, (m.position,)),
+                          (feed_forward.REGISTRY, model_lib.feed_forward_types(m))]:
+    for name in dict.fromkeys(names):
+      key = registry.settings_key(name)
+      if key in m and isinstance(m[key], ml_collections.ConfigDict):
+        used.setdefault(f"model.{key}", []).append(name)
+  return used
+
+
+def _rules(config) -> Iterator[tuple[str, bool, str]]:
+  """(field or section, whether this config reads it, who reads it)."""
+  d, m = config.data, config.model
+  name = d.name
+  language_modeling = name not in catalog.TASK_NAMES
+  symbol_task = name in catalog.SYMBOL_TASK_NAMES
+  yield "data.corpus_path", name == "text_dir", "data.name=text_dir"
+  yield "data.task_vocab_size", symbol_task, "the synthetic tasks"
+  for field in ("train_min_length", "train_max_length"):
+    yield f"data.{field}", symbol_task and name != "mqar", "the synthetic tasks but mqar"
+  yield "data.num_kv_pairs", name == "mqar", "data.name=mqar"
+  for field in ("num_train_examples", "num_eval_examples"):
+    yield f"data.{field}", not language_modeling, "the synthetic and needle tasks"
+  yield "data.needle_value_digits", name in catalog.NEEDLE_NAMES, "the needle tasks"
+  yield "data.num_distractors", name == "needle_multikey", "data.name=needle_multikey"
+  yield "data.num_values", name == "needle_multivalue", "data.name=needle_multivalue"
+  yield "eval.depths", name in catalog.NEEDLE_NAMES, "the needle tasks"
+  yield "eval.num_tokens", language_modeling, "the text corpora (tasks count examples)"
+  yield "eval.modes", language_modeling, "the text corpora (tasks are scored per example)"
+  yield ("eval.sliding_stride", language_modeling and "sliding" in config.eval.modes,
+         "eval.modes with 'sliding' on a text corpus")
+  yield ("eval.rope_scalings", positions.rotary(m.position),
+         f"the rotary schemes ({', '.join(n for n in positions.REGISTRY if positions.rotary(n))})")
+  mixers = [attention.REGISTRY.lookup(n) for n in dict.fromkeys(model_lib.layer_types(m))]
+  yield ("model.attention", not m.layer_pattern,
+         "a model without model.layer_pattern (which names every layer's mixer)")
+  yield ("model.feed_forward", not m.feed_forward_pattern,
+         "a model without model.feed_forward_pattern")
+  yield ("model.num_kv_heads", any(cls.reads_num_kv_heads for cls in mixers),
+         "mixers with a number of key/value heads of their own: "
+         + ", ".join(n for n, cls in attention.REGISTRY.items() if cls.reads_num_kv_heads))
+  yield ("model.attention_backend", any(cls.backends for cls in mixers),
+         "the softmax-family mixers: "
+         + ", ".join(n for n, cls in attention.REGISTRY.items() if cls.backends))
+  used = _used_variants(config)
+  for key in sorted(variant_sections()):
+    yield key, key in used, f"a model with {_owners(key)}"
+  coordinated = bool(config.distributed.coordinator_address)
+  for field in ("num_processes", "process_id"):
+    yield (f"distributed.{field}", coordinated,
+           "a multi-process run (distributed.coordinator_address set)")
+
+
+def variant_sections() -> set[str]:
+  """model.<key> of every variant's settings sub-dict."""
+  return {f"model.{key}" for key, value in defaults.get_config().model.items()
+          if isinstance(value, ml_collections.ConfigDict)}
+
+
+def _owners(section: str) -> str:
+  key = section.split(".", 1)[1]
+  fields = [("model.attention", attention.REGISTRY), ("model.position", positions.REGISTRY),
+            ("model.feed_forward", feed_forward.REGISTRY)]
+  return " or ".join(f"{field}={'|'.join(names)}" for field, registry in fields
+                     if (names := [n for n in registry if registry.settings_key(n) == key]))
+
+
+def within(name: str, prefix: str) -> bool:
+  """Whether dotted `name` is `prefix` or a field inside it."""
+  return name == prefix or name.startswith(prefix + ".")
+
+
+def not_read(config: ml_collections.ConfigDict) -> dict[str, str]:
+  """{field or section this config does not read: who reads it}. Assumes the choices (data.name,
+  the model's variants) are valid: research.training.checks validates them first."""
+  return {field: who for field, reads, who in _rules(config) if not reads}
+
+
+def unread_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
+  """{field set away from its default that this config does not read: who reads it}."""
+  values, default = defaults.flatten(config), defaults.flatten(defaults.get_config())
+  skipped = not_read(config)
+  return {name: who for name, value in values.items() for section, who in skipped.items()
+          if within(name, section) and value != default.get(name)}
+
+
+def check(config: ml_collections.ConfigDict):
+  """Raise ValueError naming every setting this config would not read, and who reads it."""
+  unread = unread_settings(config)
+  if unread:
+    values = defaults.flatten(config)
+    raise ValueError("settings this run would not read (no setting is silently ignored): "
+                     + "; ".join(f"{name}={values[name]!r} is read only by {who}"
+                                 for name, who in unread.items())
+                     + "; remove them, or choose what reads them")
+
+
+def experiment_settings_not_read(config: ml_collections.ConfigDict, overrides) -> dict[str, str]:
+  """{setting of the experiment file that `config` does not read: who reads it}: the unread
+  settings not among `overrides` (dotted names, from the command line or a sweep member), which
+  stay for validation to refuse. {} when a choice is invalid (validation names it)."""
+  try:
+    settings = unread_settings(config)
+  except ValueError:
+    return {}
+  return {name: who for name, who in settings.items()
+          if not any(within(name, key) for key in overrides)}
+
+
+def for_run_of_experiment(config: ml_collections.ConfigDict, overrides, log=print):
+  """`config` without the experiment's settings this run does not read (set for its sweep's
+  other members), which a line names; see experiment_settings_not_read."""
+  shared = experiment_settings_not_read(config, overrides)
+  if shared:
+    log("settings of the experiment this run does not read, left at their defaults: "
+        + "; ".join(f"{name} (read by {who})" for name, who in shared.items()))
+  return reset(config, shared)
+
+
+def reset(config: ml_collections.ConfigDict, names) -> ml_collections.ConfigDict:
+  """A copy of `config` with the fields `names` at their defaults."""
+  config = config.copy_and_resolve_references()
+  default = defaults.get_config()
+  for name in names:
+    *sections, field = name.split(".")
+    node, default_node = config, default
+    for section in sections:
+      node, default_node = node[section], default_node[section]
+    node[field] = default_node[field]
+  return config
