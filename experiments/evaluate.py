@@ -13,7 +13,8 @@ that scaling as
 research.evaluation.extrapolation applies it). Each evaluation is a
 row of RUN/eval.json keyed by the checkpoint step and its settings, appended (settings evaluated
 before are not recomputed, nothing is overwritten); results.csv, summary.md and the figures are
-then redrawn in --workdir. A partially trained run is evaluated at its newest checkpoint.
+then redrawn in --workdir. A partially trained run is evaluated at its newest complete checkpoint,
+also while it trains (docs/evaluation.md).
 """
 
 import jax
@@ -27,6 +28,7 @@ from research.runs import checkpoints
 from research.training import checks
 from research.runs import config_fields
 from research.evaluation import extrapolation
+from research.runs import lock as workdir_lock
 from research.results import report
 from research.runs import workdirs
 
@@ -72,7 +74,8 @@ def main(argv):
   for run, config in zip(runs, configs):
     print(f"{run.name}: evaluating", flush=True)
     extrapolation.evaluate_run(config, run.directory)
-  written = report.write(workdir)
+  with workdir_lock.hold_results(workdir):  # another evaluator may redraw them meanwhile
+    written = report.write(workdir)
   print(f"results in {workdir}/: {', '.join(written.files)}"
         + (f"; runs without results: {', '.join(written.missing)}" if written.missing else ""))
 

@@ -10,10 +10,11 @@ in config.eval.rope_scalings (PI, static / dynamic NTK, YaRN; research.positions
 s = max(1, eval_length / train_length): the same weights, a different scaling, evaluated with
 non-overlapping windows. Tasks have a single mode (exact answers).
 
-`evaluate_run` evaluates a run's newest readable checkpoint (research.runs.checkpoints) at the
-settings that its RUN/eval.json has no row for yet and appends their rows
-(research.evaluation.results),
-holding the workdir's writer lock; it never retrains.
+`evaluate_run` evaluates a run's newest readable complete checkpoint (research.runs.checkpoints)
+at the settings that its RUN/eval.json has no row for yet and appends their rows
+(research.evaluation.results); it never retrains. It takes no writer lock and writes nothing but
+its rows (under the run's results lock), so it runs beside the run's trainer, which goes on
+writing and rotating checkpoints, and beside other evaluators.
 """
 
 import copy
@@ -31,7 +32,6 @@ from research.evaluation import evaluate
 from research import model as model_lib
 from research import positions
 from research import sharding
-from research.runs import lock as workdir_lock
 from research.data import validation
 from research.positions import rope
 
@@ -60,14 +60,16 @@ def _row_settings(settings, depths):
 
 def _plan(config, step):
   """({depth: row settings}, model config at the length) of every evaluation `config` asks for."""
+  language_modeling = data.is_language_modeling(config)  # tasks: per example, no token budget
   for scaling, model_config_at in _variants(config):
-    modes = config.eval.modes
-    if scaling != "none" or not data.is_language_modeling(config):
-      modes = ("nonoverlapping",)
+    modes = ("nonoverlapping",)
+    if scaling == "none" and language_modeling:
+      modes = config.eval.modes
     for length in config.eval.lengths:
       for mode in modes:
         settings = {"step": step, "eval_length": length, "eval_mode": mode,
-                    "rope_scaling": scaling, "num_tokens": config.eval.num_tokens,
+                    "rope_scaling": scaling,
+                    "num_tokens": config.eval.num_tokens if language_modeling else None,
                     "sliding_stride": validation.sliding_stride(config) if mode == "sliding" else 0,
                     "bootstrap_samples": config.eval.bootstrap_samples,
                     "bootstrap_seed": config.eval.bootstrap_seed}
@@ -95,38 +97,37 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
                  progress: Callable[[str], None] = functools.partial(print, flush=True)
                  ) -> list[dict]:
   """Evaluate the run in `workdir` at every eval length x mode x RoPE scaling (x needle depth) of
-  `config` not in its eval.json yet, from its newest readable checkpoint; appends and returns the
-  new rows."""
-  with workdir_lock.hold(workdir):
-    saved_steps = checkpoints.steps(workdir)
-    if saved_steps and not _to_do(config, workdir, saved_steps[-1]):
-      return []
-    mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh.shape, jax.device_count()))
-    rows = []
-    with jax.set_mesh(mesh):
-      abstract = nnx.state(nnx.eval_shape(
-          lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0))))
-      step, params = checkpoints.restore_params(
-          workdir, sharding.sharded_abstract(abstract, mesh), log=progress)
-      eval_steps = {}  # one compiled step per (scaling, length)
-      for row_settings, model_config in _to_do(config, workdir, step):
-        length, mode, scaling = (row_settings[None][k]
-                                 for k in ("eval_length", "eval_mode", "rope_scaling"))
-        if (scaling, length) not in eval_steps:
-          eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(nnx.eval_shape(
-              lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))))
-        sums = _row_sums(config, eval_steps[scaling, length], params, mesh, length, mode,
-                         list(row_settings))
-        new = []
-        for depth, settings in row_settings.items():
-          metrics = evaluate.metrics(sums[depth], config.eval.bootstrap_samples,
-                                     config.eval.bootstrap_seed)
-          new.append({**settings, **metrics})
-          at = "" if depth is None else f" depth {depth:<5}"
-          progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11}{at} "
-                   f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
-                   f"acc {metrics['accuracy']:.3f}  exact {metrics['exact_match']:.3f}  "
-                   f"(step {step})")
-        eval_results.append(workdir, new)
-        rows += new
+  `config` not in its eval.json yet, from its newest readable complete checkpoint (while the run
+  trains too); appends and returns the new rows (those another evaluator appended meanwhile are
+  left out)."""
+  saved_steps = checkpoints.steps(workdir)
+  if saved_steps and not _to_do(config, workdir, saved_steps[-1]):
+    return []
+  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh.shape, jax.device_count()))
+  rows = []
+  with jax.set_mesh(mesh):
+    abstract = nnx.state(nnx.eval_shape(
+        lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0))))
+    step, params = checkpoints.restore_params(
+        workdir, sharding.sharded_abstract(abstract, mesh), log=progress)
+    eval_steps = {}  # one compiled step per (scaling, length)
+    for row_settings, model_config in _to_do(config, workdir, step):
+      length, mode, scaling = (row_settings[None][k]
+                               for k in ("eval_length", "eval_mode", "rope_scaling"))
+      if (scaling, length) not in eval_steps:
+        eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(nnx.eval_shape(
+            lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))))
+      sums = _row_sums(config, eval_steps[scaling, length], params, mesh, length, mode,
+                       list(row_settings))
+      new = []
+      for depth, settings in row_settings.items():
+        metrics = evaluate.metrics(sums[depth], config.eval.bootstrap_samples,
+                                   config.eval.bootstrap_seed)
+        new.append({**settings, **metrics})
+        at = "" if depth is None else f" depth {depth:<5}"
+        progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11}{at} "
+                 f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
+                 f"acc {metrics['accuracy']:.3f}  exact {metrics['exact_match']:.3f}  "
+                 f"(step {step})")
+      rows += eval_results.append(workdir, new)
   return rows

@@ -8,11 +8,18 @@ depth (none on the row that pools them). Evaluating a run again computes only th
 no row for, so a run trained further or evaluated at new lengths keeps its earlier rows beside the
 new ones. Summaries and figures use `latest`: per run, length, mode, scaling and depth, the row of
 the newest step (the last one evaluated, on a tie).
+
+Several processes may evaluate a run at once (one while it trains, a sweep's evaluation, a
+researcher's): each appends under the run's results lock (research.runs.lock.hold_results),
+rereading eval.json there, so none loses another's rows; a row whose key is there already (the
+same checkpoint and settings, evaluated by both) is not added twice.
 """
 
 import json
 import os
 from typing import Iterable
+
+from research.runs import lock
 
 KEY = ("step", "eval_length", "eval_mode", "rope_scaling", "num_tokens", "sliding_stride",
        "bootstrap_samples", "bootstrap_seed", "depths", "depth")
@@ -34,13 +41,24 @@ def read(run_dir: str) -> list[dict]:
     return json.load(f)
 
 
-def append(run_dir: str, rows: Iterable[dict]):
-  """Add rows to RUN/eval.json (atomically: a reader sees the old list or the new one)."""
+def append(run_dir: str, rows: Iterable[dict]) -> list[dict]:
+  """Add the rows whose keys RUN/eval.json does not hold yet, under its results lock, atomically
+  (a reader sees the old list or the new one); returns the rows added."""
   path = os.path.join(run_dir, FILE_NAME)
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump(read(run_dir) + list(rows), f, indent=1)
-  os.replace(tmp, path)
+  with lock.hold_results(run_dir):
+    existing = read(run_dir)
+    done = {key(row) for row in existing}
+    new = []
+    for row in rows:
+      if key(row) not in done:
+        done.add(key(row))
+        new.append(row)
+    if new:
+      tmp = f"{path}.tmp.{os.getpid()}"
+      with open(tmp, "w") as f:
+        json.dump(existing + new, f, indent=1)
+      os.replace(tmp, path)
+  return new
 
 
 def latest(rows: Iterable[dict]) -> list[dict]:

@@ -18,8 +18,19 @@ ones newer than it (a truncated or damaged file) are moved to DIR/checkpoints_un
 for inspection, and one line says which steps were unreadable and which one is used. If none
 restores, nothing is moved (the checkpoints may be fine for the code that wrote them) and
 CheckpointError says so.
+
+Reading a run's parameters (`restore_params`: evaluation, generation, analyses, init_from) writes
+nothing and takes no lock, so it works while the run trains: it sees only complete checkpoints
+(orbax writes each into DIR/checkpoints/<step>.orbax-checkpoint-tmp and renames it to <step>
+once every process has written its part; on object stores, which cannot rename, a
+commit_success.txt file marks it: `steps` lists only those). The trainer may delete the checkpoint
+being read (rotation, train.keep_checkpoints) or write a newer one meanwhile: a read that fails
+on a checkpoint that has since vanished or changed, or that succeeds while it changed, is
+retried from the newest again (a few times; then CheckpointError says the checkpoints kept
+changing). An unreadable one is skipped, not moved (that is the trainer's job), with one line.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -160,23 +171,76 @@ def restore_latest(checkpoint_manager: ocp.CheckpointManager, abstract_state: An
   return None if found is None else found[1]
 
 
+# How many times a read of a run's parameters restarts because the trainer deleted or changed the
+# checkpoint it read (evidence of a concurrent change each time) before it gives up.
+READ_RESTARTS = 8
+
+
+def _files(step_dir: str) -> tuple:
+  """What a checkpoint directory holds: (path, size) of every file, sorted; () if it is gone."""
+  found = []
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      with contextlib.suppress(OSError):  # deleted between the listing and the stat
+        found.append((os.path.relpath(path, step_dir), os.path.getsize(path)))
+  return tuple(sorted(found))
+
+
 def restore_params(workdir: str, abstract_params: Any, log: Callable[[str], None] = print,
                    step: int | None = None) -> tuple[int, Any]:
-  """(step, parameters) of the newest readable checkpoint in `workdir`, or of checkpoint `step`:
-  the `params` entry of the train state alone, laid out as `abstract_params`.
-  FileNotFoundError if there is none (or no checkpoint `step`)."""
-  saved = steps(workdir)
-  if not saved:
-    raise FileNotFoundError(f"no checkpoint in {directory(workdir)}; train the run first "
-                            "(python -m experiments.train with this --workdir)")
-  if step is not None and step not in saved:
-    raise FileNotFoundError(f"no checkpoint of step {step} in {directory(workdir)}; its steps: "
-                            f"{', '.join(map(str, saved))}")
+  """(step, parameters) of the newest readable complete checkpoint in `workdir`, or of checkpoint
+  `step`: the `params` entry of the train state alone, laid out as `abstract_params`. Writes
+  nothing, so it may run while the run trains (the module's docstring). FileNotFoundError if there
+  is no checkpoint (or no checkpoint `step`); CheckpointError if none reads."""
   item = {"params": abstract_params}
   args = ocp.args.PyTreeRestore(
       item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)
-  with ocp.CheckpointManager(directory(workdir),
-                             options=ocp.CheckpointManagerOptions(create=False)) as reader:
-    if step is not None:
-      return step, reader.restore(step, args=args)["params"]
-    return _restore_newest(reader, lambda s: reader.restore(s, args=args)["params"], log)
+  unreadable = {}  # step: error, of checkpoints that stayed as they were while they failed
+  restarts = 0
+  while restarts <= READ_RESTARTS:
+    saved = steps(workdir)
+    if not saved:
+      raise FileNotFoundError(f"no checkpoint in {directory(workdir)}; train the run first "
+                              "(python -m experiments.train with this --workdir)")
+    if step is not None and step not in saved:
+      raise FileNotFoundError(f"no checkpoint of step {step} in {directory(workdir)}; its "
+                              f"steps: {', '.join(map(str, saved))}")
+    candidates = [s for s in ([step] if step is not None else reversed(saved))
+                  if s not in unreadable]
+    if not candidates:
+      break
+    chosen = candidates[0]
+    step_dir = os.path.join(directory(workdir), str(chosen))
+    before = _files(step_dir)
+    try:
+      # Without create, cleanup_tmp_directories or custom metadata, a manager writes nothing
+      # until it saves (read_only=True would say so in three warning lines per read).
+      with ocp.CheckpointManager(directory(workdir), options=ocp.CheckpointManagerOptions(
+          create=False, lightweight_initialize=True)) as reader:
+        restored = reader.restore(chosen, args=args)["params"]
+    except Exception as e:  # noqa: BLE001 (a damaged or vanishing file surfaces as many types)
+      if _files(step_dir) == before and chosen in steps(workdir):
+        unreadable[chosen] = e  # as it was: damaged, not rotated out or rewritten meanwhile
+      else:
+        restarts += 1  # deleted (rotated out) while it was read: read the newest again
+      continue
+    if _files(step_dir) != before:
+      restarts += 1  # changed while it was read (being deleted): read the newest again
+      continue
+    if unreadable:
+      bad = ", ".join(str(s) for s in sorted(unreadable, reverse=True))
+      log(f"checkpoint {bad} of {directory(workdir)} is unreadable "
+          f"({_one_line(next(iter(unreadable.values())))}); using step {chosen} (left in place; "
+          "the run's trainer moves unreadable checkpoints aside when it resumes)")
+    return chosen, restored
+  if unreadable:
+    bad = ", ".join(str(s) for s in sorted(unreadable, reverse=True))
+    raise CheckpointError(
+        f"no checkpoint in {directory(workdir)} restores (steps {bad}; newest: "
+        f"{_one_line(unreadable[max(unreadable)])}); they are left in place. If the code changed "
+        "since they were written, use that version")
+  raise CheckpointError(
+      f"the checkpoints of {directory(workdir)} kept changing while they were read "
+      f"({READ_RESTARTS} times): the run's trainer writes and rotates them faster than one is "
+      "read; keep more (train.keep_checkpoints) or evaluate when it has finished")

@@ -7,7 +7,8 @@ over a (data, fsdp, tensor) device mesh, parameters sharded by their logical axi
 global-norm clipping (optax); asynchronous, atomic orbax checkpoints (research.runs.checkpoints);
 resume by rerunning the same command (the batch of step s is a pure function of seed, s and
 process, so resuming needs no data state). One writer per workdir (research.runs.lock). Runs
-unchanged on CPU, GPU or TPU, one process or many (jax.distributed).
+unchanged on CPU, GPU or TPU, one process or many (jax.distributed); in a run of many processes
+a watchdog (research.training.lost_process) stops every process with one line when one is lost.
 
 The objective is the mean next-token cross-entropy over the scored tokens plus the auxiliary
 losses the layers sow (a mixture of experts' load balancing; research.feed_forward.base); the
@@ -33,6 +34,7 @@ from research.evaluation import evaluate
 from research import feed_forward
 from research import flops
 from research.training import init_from
+from research.training import lost_process
 from research import model as model_lib
 from research import sharding
 from research.runs import lock as workdir_lock
@@ -46,7 +48,9 @@ def initialize_distributed(config):
   """jax.distributed for multi-process runs (a no-op for one process)."""
   dist = config.distributed
   if dist.coordinator_address and not jax.distributed.is_initialized():
-    jax.distributed.initialize(dist.coordinator_address, dist.num_processes, dist.process_id)
+    jax.distributed.initialize(
+        dist.coordinator_address, dist.num_processes, dist.process_id,
+        heartbeat_timeout_seconds=lost_process.heartbeat_timeout_seconds())
 
 
 def make_optimizer(config):
@@ -114,6 +118,12 @@ def train_and_evaluate(config, workdir):
   # ---- 1. Set-up and checks: everything that can fail does so before any work is written.
   initialize_distributed(config)
   workdir = os.path.abspath(os.path.expanduser(workdir))
+  with lost_process.watchdog(workdir):
+    return _check_and_train(config, workdir)
+
+
+def _check_and_train(config, workdir):
+  """The checks, then sections 2-5 holding the workdir's writer lock (process 0)."""
   mesh_shape = checks.validate_config(config, jax.device_count(), jax.process_count())
   checks.check_writable(workdir)
   data.prepare(config)
