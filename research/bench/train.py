@@ -56,7 +56,9 @@ PACKING_TARGET = 0.9  # documents / concat tokens/s
 def reference_config(attention, position, seq_len, num_steps, dtype):
   config = defaults.get_config()
   config.model.update(dict(attention=attention, position=position, num_layers=2, d_model=128,
-                           num_heads=4, num_kv_heads=2, compute_dtype=dtype))
+                           num_heads=4, compute_dtype=dtype))
+  if attention == "gqa":
+    config.model.num_kv_heads = 2
   config.train.update(dict(seq_len=seq_len, batch_size=max(TOKENS_PER_BATCH // seq_len, 1),
                            num_steps=num_steps, warmup_steps=1, log_every=num_steps // 2,
                            checkpoint_every=num_steps, eval_batches=1))
