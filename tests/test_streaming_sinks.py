@@ -146,7 +146,7 @@ def _projections(position, x, mode="cache"):
   return as64(mixer.query(x)), as64(mixer.key(x)), as64(mixer.value(x)), mixer.out
 
 
-@pytest.mark.parametrize("window,sinks", [(WINDOW, SINKS), (4, 1), (6, 4)])
+@pytest.mark.parametrize("window,sinks", [(WINDOW, SINKS), (6, 4)])
 def test_decoding_with_the_rolling_cache_is_streaming_llm_pos_shift(window, sinks):
   """RoPE, sink_positions = "cache": each decoded token's output == the authors' algorithm with
   start_size = sinks, recent_size = window - 1, long past the point where the cache is full."""
@@ -187,8 +187,7 @@ def test_the_sequence_path_equals_decoding(position, backend, length, window, si
     np.testing.assert_allclose(expected, xla(x), atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("position,backend", [("rope", "xla"), ("rope", "blockwise"),
-                                              ("alibi", "blockwise")])
+@pytest.mark.parametrize("position,backend", [("rope", "blockwise"), ("alibi", "xla")])
 def test_packed_documents_see_their_own_sinks_at_their_cache_positions(position, backend):
   """A packed row gives each document what it gets alone (its sinks are its first tokens, its
   cache positions restart with it)."""
@@ -366,7 +365,7 @@ def test_no_query_sink_distance_exceeds_sinks_plus_window(mode):
                                                        distance.shape), atol=2e-3)
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi", "t5"])
+@pytest.mark.parametrize("position", ["rope", "t5"])
 def test_an_output_depends_on_the_cached_tokens_not_on_how_many_were_evicted(position):
   """The same sinks and the same last W tokens after 3 or after 40 evicted ones give the same
   output under "cache" (StreamingLLM: positions are slots), different ones under "original"."""

@@ -34,6 +34,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -187,6 +188,14 @@ def _files(step_dir: str) -> tuple:
   return tuple(sorted(found))
 
 
+def _being_written(workdir: str) -> bool:
+  """Whether a checkpoint of `workdir` is being written (orbax's temporary directory)."""
+  try:
+    return any(".orbax-checkpoint-tmp" in name for name in os.listdir(directory(workdir)))
+  except OSError:
+    return False
+
+
 def restore_params(workdir: str, abstract_params: Any, log: Callable[[str], None] = print,
                    step: int | None = None) -> tuple[int, Any]:
   """(step, parameters) of the newest readable complete checkpoint in `workdir`, or of checkpoint
@@ -200,6 +209,10 @@ def restore_params(workdir: str, abstract_params: Any, log: Callable[[str], None
   restarts = 0
   while restarts <= READ_RESTARTS:
     saved = steps(workdir)
+    if not saved and _being_written(workdir):  # rotated out before its successor is complete
+      restarts += 1
+      time.sleep(0.25)
+      continue
     if not saved:
       raise FileNotFoundError(f"no checkpoint in {directory(workdir)}; train the run first "
                               "(python -m experiments.train with this --workdir)")
