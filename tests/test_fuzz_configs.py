@@ -18,9 +18,11 @@ import hypothesis
 from hypothesis import strategies as st
 
 from research import attention
+from research import defaults
 from research import feed_forward
 from research import model as model_lib
 from research import positions
+from research.results import sweep
 from research.runs import unread
 from research.training import checks
 from research.training import loop as train
@@ -119,18 +121,12 @@ def configs(draw):
     for setting, default in cls.hyperparameters.items():
       if draw(st.integers(0, 7)) == 0:  # perturb about one in eight
         config.model[key][setting] = draw(st.sampled_from(_setting_values(default)))
-  for name in draw(st.lists(st.sampled_from(sorted(FIELD_VALUES)), max_size=2, unique=True)):
-    *sections, field = name.split(".")
-    node = config
-    for section in sections:
-      node = node[section]
-    value = draw(st.sampled_from(FIELD_VALUES[name]))
-    node[field] = type(node[field])(value) if isinstance(node[field], tuple) else value
-  return config
+  fields = draw(st.lists(st.sampled_from(sorted(FIELD_VALUES)), max_size=2, unique=True))
+  return sweep.apply_overrides(
+      config, {name: draw(st.sampled_from(FIELD_VALUES[name])) for name in fields})
 
 
 def _describe(config, base):
-  from research import defaults  # noqa: PLC0415
   now, before = defaults.flatten(config), defaults.flatten(base)
   return {name: value for name, value in now.items() if value != before.get(name)}
 

@@ -95,16 +95,6 @@ def _non_default(name, value):
   return f"{value}_other"
 
 
-def _with(config, name, value):
-  config = config.copy_and_resolve_references()
-  *sections, field = name.split(".")
-  node = config
-  for section in sections:
-    node = node[section]
-  node[field] = type(node[field])(value) if isinstance(node[field], tuple) else value
-  return config
-
-
 def _base_configs():
   language = tiny_config.get_config()
   language.train.update(dict(num_steps=2, checkpoint_every=2, log_every=1, warmup_steps=1))
@@ -128,7 +118,7 @@ def test_every_field_is_read_by_the_run_or_refused(kind, tmp_path, capsys):
   assert not {name for name in reads for section in declared if unread.within(name, section)}
   silently_ignored = []
   for name, value in defaults.flatten(base.get_config()).items():  # every field of the schema
-    changed = _with(config, name, _non_default(name, value))
+    changed = sweep.apply_overrides(config, {name: _non_default(name, value)})
     try:
       checks.validate_config(changed, 8)
     except ValueError:

@@ -88,7 +88,7 @@ def training_differences(saved: Mapping, current: ml_collections.ConfigDict) -> 
   default.update(predated_values(saved))
   differences = []
   for name in sorted(saved.keys() | current.keys()):
-    if not changes_training(name) or any(_within(name, (section,)) for section in not_read):
+    if not changes_training(name) or _within(name, tuple(not_read)):
       continue
     if name not in saved:
       if current[name] != default.get(name):
@@ -121,18 +121,13 @@ def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
   if unknown:
     raise ValueError(f"{source} has fields this code does not know ({', '.join(unknown)}); use "
                      "the version of the code that wrote it")
-  for name, value in saved.items():
+  # predated_values: what the run computed before a field it lacks existed.
+  for name, value in {**saved, **predated_values(saved)}.items():
     *sections, field = name.split(".")
     node = config
     for section in sections:
       node = node[section]
     node[field] = tuple(value) if isinstance(node[field], tuple) else value
-  for name, value in predated_values(saved).items():  # what the run computed before the field
-    *sections, field = name.split(".")
-    node = config
-    for section in sections:
-      node = node[section]
-    node[field] = value
   return unread.reset(config, unread.unread_settings(config))
 
 
