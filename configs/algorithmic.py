@@ -26,7 +26,7 @@ QUICK_TASKS = ("parity_check", "stack_manipulation", "duplicate_string", "bucket
 QUICK_VARIANTS = (("mha", "rope"), ("mha", "alibi"), ("mamba", "none"))
 
 
-def _lengths(task, preset):
+def task_lengths(task, preset):
   """train.seq_len and eval.lengths (tokens) of `task` for the preset's sizes (symbols)."""
   inputs_for_size = tasks.TASKS[task].inputs_for_size
   return (inputs_for_size(TRAIN_SIZES[1]),
@@ -43,14 +43,14 @@ def get_config(preset="quick"):
                           num_train_examples=20_000 if quick else 100_000,
                           num_eval_examples=128 if quick else 256))
   config.model.update(dict(num_layers=2 if quick else 5, d_model=64 if quick else 256))
-  seq_len, lengths = _lengths(config.data.name, preset)
+  seq_len, lengths = task_lengths(config.data.name, preset)
   config.train.update(dict(seq_len=seq_len, batch_size=32 if quick else 128,
                            num_steps=500 if quick else 10_000, learning_rate=1e-3,
                            warmup_steps=50 if quick else 1000, log_every=100,
                            checkpoint_every=500 if quick else 2000))
   config.eval.update(dict(lengths=lengths, batch_size=32))
   if not quick:  # learned positions (full sweep): a row for every position any task reaches
-    config.model.learned.max_length = max(max(_lengths(task, preset)[1])
+    config.model.learned.max_length = max(max(task_lengths(task, preset)[1])
                                           for task in algorithmic.SUITE)
   return config
 
@@ -61,7 +61,7 @@ def get_sweep(preset="quick"):
   task_names = QUICK_TASKS if quick else tuple(algorithmic.SUITE)
   variants = QUICK_VARIANTS if quick else sweeps.every_variant()
   seeds = (0,) if quick else (0, 1, 2)
-  return [{"data.name": task, "train.seq_len": _lengths(task, preset)[0],
-           "eval.lengths": _lengths(task, preset)[1], "model.attention": attention,
+  return [{"data.name": task, "train.seq_len": task_lengths(task, preset)[0],
+           "eval.lengths": task_lengths(task, preset)[1], "model.attention": attention,
            "model.position": position, "train.seed": seed}
           for task in task_names for attention, position in variants for seed in seeds]

@@ -115,6 +115,19 @@ def get_config():
   return config
 
 
+_FLAT_DEFAULTS = {}  # {registry state: flatten(get_config())}
+
+
+def flat_defaults() -> dict[str, Any]:
+  """flatten(get_config()), a new dict each call but computed once for each state of the
+  registries (checks call it for every member of a sweep of thousands)."""
+  state = variants.registry_state()
+  if state not in _FLAT_DEFAULTS:
+    _FLAT_DEFAULTS.clear()
+    _FLAT_DEFAULTS[state] = flatten(get_config())
+  return dict(_FLAT_DEFAULTS[state])
+
+
 def flatten(config: ml_collections.ConfigDict | Mapping) -> dict[str, Any]:
   """{"train.seq_len": 128, ...}: every leaf by dotted name, as JSON values (tuples as lists)."""
   tree = json.loads(config.to_json()) if isinstance(config, ml_collections.ConfigDict) else config

@@ -16,6 +16,12 @@ from research import positions
 REGISTRIES = (attention.REGISTRY, positions.REGISTRY, feed_forward.REGISTRY)
 
 
+def registry_state() -> tuple:
+  """What the default config depends on: every registered (name, class), hashable, so that a
+  value derived from the defaults can be kept until a variant is (un)registered."""
+  return tuple((name, cls) for registry in REGISTRIES for name, cls in registry.items())
+
+
 def default_settings() -> dict:
   """{settings key: defaults} of every registered variant with hyperparameters."""
   out = {}

@@ -6,8 +6,13 @@ entry; so are the benchmarks, the variants table and the sweeps that enumerate i
 """
 
 from research.attention.base import Mixer
+from research.attention.baseconv import BaseConv
+from research.attention.deltanet import DeltaNet
 from research.attention.fox import ForgettingAttention
 from research.attention.gated_deltanet import GatedDeltaNet
+from research.attention.gated_deltaproduct import GatedDeltaProduct
+from research.attention.gla import GatedLinearAttention
+from research.attention.hyena import Hyena
 from research.attention.linear import LinearAttention
 from research.attention.mamba2 import Mamba2
 from research.attention.retention import Retention
@@ -27,3 +32,8 @@ REGISTRY.register("retention", Retention)
 REGISTRY.register("fox", ForgettingAttention, settings="softmax")
 REGISTRY.register("gated_deltanet", GatedDeltaNet)
 REGISTRY.register("rwkv6", RWKV6)
+REGISTRY.register("deltanet", DeltaNet)
+REGISTRY.register("gated_deltaproduct", GatedDeltaProduct)
+REGISTRY.register("gla", GatedLinearAttention)
+REGISTRY.register("baseconv", BaseConv)
+REGISTRY.register("hyena", Hyena)

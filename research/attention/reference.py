@@ -135,3 +135,39 @@ def rwkv6_recurrence(r, k, v, log_decay, bonus, state):
   state, out = jax.lax.scan(step, state, tuple(t.swapaxes(0, 1)
                                                for t in (r, k, v, log_decay)))
   return out.swapaxes(0, 1), state
+
+
+def gated_delta_product(q, k, v, log_decay, beta, state):
+  """Gated DeltaProduct per head, one token at a time, its S Householder steps in turn:
+  S <- e^{g_t} S, then for j = 1..S: S <- (I - beta_tj k_tj k_tj^T) S + beta_tj k_tj v_tj^T;
+  o_t = S^T q_t. q [B, L, N, H], k [B, L, N, S, H], v [B, L, N, S, E], log_decay g [B, L, N],
+  beta [B, L, N, S], state [B, N, H, E]."""
+  eye = jnp.eye(q.shape[-1], dtype=jnp.float32)
+
+  def step(state, inputs):
+    q_t, k_t, v_t, g_t, beta_t = inputs
+    state = jnp.exp(g_t)[..., None, None] * state
+    for j in range(k_t.shape[2]):
+      k_j, b_j = k_t[:, :, j], beta_t[:, :, j][..., None, None]
+      transition = eye - b_j * jnp.einsum("bnh,bni->bnhi", k_j, k_j)
+      state = (jnp.einsum("bnhi,bnie->bnhe", transition, state)
+               + b_j * jnp.einsum("bnh,bne->bnhe", k_j, v_t[:, :, j]))
+    return state, jnp.einsum("bnh,bnhe->bne", q_t, state)
+
+  state, out = jax.lax.scan(step, state, tuple(t.swapaxes(0, 1)
+                                               for t in (q, k, v, log_decay, beta)))
+  return out.swapaxes(0, 1), state
+
+
+def gla_recurrence(q, k, v, log_decay, state):
+  """Gated linear attention per head, one token at a time: S_t = diag(exp(log_decay_t)) S_{t-1}
+  + k_t v_t^T, o_t = S_t^T q_t; q, k, log_decay [B, L, N, H], v [B, L, N, E], state
+  [B, N, H, E]."""
+
+  def step(state, inputs):
+    q_t, k_t, v_t, log_decay_t = inputs
+    state = jnp.exp(log_decay_t)[..., None] * state + jnp.einsum("bnh,bne->bnhe", k_t, v_t)
+    return state, jnp.einsum("bnh,bnhe->bne", q_t, state)
+
+  state, out = jax.lax.scan(step, state, tuple(t.swapaxes(0, 1) for t in (q, k, v, log_decay)))
+  return out.swapaxes(0, 1), state

@@ -26,23 +26,9 @@ its input in the lab's checks), and the reference's per-group learning rates (2x
 reproduced. The mu, d, u, LoRA and norm parameters take no weight decay (the reference's
 optimizer groups); W_r, W_k, W_v, W_g, W_o do.
 
-Training, evaluation and decoding run one chunked form. Within a chunk of C tokens, with
-G_t = sum_{m <= t} log w_m (inclusive) and P_t = G_{t-1} (exclusive) cumulative log decays since
-the chunk's start, and S_0 the state there:
-  o_t = (r_t e^{P_t}) S_0 + sum_{s < t} (sum_c r_tc k_sc e^{P_tc - G_sc}) v_s + (r_t u k_t) v_t
-  S_C = e^{G_C} S_0 + sum_s (k_s e^{G_C - G_s})^T v_s
-Only the last line is sequential: a scan over chunks carries S. Numerical safety: every
-exponent is <= 0, so nothing overflows however strong the decay (w_t = exp(-exp(.)) reaches
-e^-1000 and below); products too small for float32 underflow to 0, as their exact values would.
-The pairs (t, s) are never factored as e^{P_t} e^{-G_s} relative to the chunk's start (e^{-G_s}
-overflows once the decay within a chunk passes e^-88). Instead, as flash-linear-attention's
-chunk_rwkv6, the chunk is cut into sub-chunks of c tokens: for s in an earlier sub-chunk than t,
-e^{P_t - G_s} = e^{P_t - R} e^{R - G_s} with R = P at the first token of t's sub-chunk (both
-factors <= 1), so those scores are one matmul per sub-chunk against the chunk's keys; within a
-sub-chunk each pair's factor is computed on its own ([c, c, H] per sub-chunk), with u on the
-diagonal. Memory is O(L c H + L C / c H) per head, never [L, L]. Precision: a factor's exponent
-is a difference of two cumulative sums within one chunk, exact to float32 rounding of their size
-(about 6e-8 |G|: 3e-5 at a cumulative log decay of -500 within a chunk).
+Training, evaluation and decoding run one chunked form, shared with GLA
+(research/attention/vector_decay.py: chunks cut into sub-chunks so that every decay factor is
+<= 1 however strong the decay), with the bonus u on the diagonal.
 
 Packed documents: the state and the token shift restart at each segment start (the scores keep
 to the segment, the carried state reaches only its own segment's tokens); a state passed in
@@ -58,6 +44,7 @@ from flax import nnx
 from research import nn
 from research.attention import base
 from research.attention import masks
+from research.attention import vector_decay
 
 NORM_EPSILON = 64e-5
 DEPTH_RATIO = 0.5  # the reference's layer_id / n_layer, which a mixer here does not know
@@ -73,84 +60,13 @@ def token_shift(x_BxTxD, last_BxD, segments_BxT=None):
   return previous, x_BxTxD[:, -1]
 
 
-def _sub_chunk_length(chunk, sub_chunk_size):
-  """The largest divisor of `chunk` that is at most sub_chunk_size."""
-  return max(c for c in range(1, min(chunk, sub_chunk_size) + 1) if chunk % c == 0)
-
-
 def chunked_rwkv6(r, k, v, log_decay, bonus, state, *, chunk_size=32, sub_chunk_size=8,
                   segments=None):
-  """The RWKV-6 recurrence in the chunked form (module docstring), from `state`.
-
-  r, k, log_decay (log w <= 0) [B, L, N, H], v [B, L, N, E], bonus u [N, H], state [B, N, H, E];
-  segments [B, L] (packed documents, non-decreasing) restart the state at each segment start.
-  Chunks of min(chunk_size, L) tokens, cut into sub-chunks of the largest divisor of that which
-  is at most sub_chunk_size. Returns (o [B, L, N, E], final state), float32.
-  """
-  b, length, n, h = r.shape
-  e = v.shape[-1]
-  chunk = min(chunk_size, length)
-  sub = _sub_chunk_length(chunk, sub_chunk_size)
-  num_sub = chunk // sub
-  num_chunks = -(-length // chunk)
-  padded = num_chunks * chunk
-
-  def to_chunks(x):  # [B, L, N, F] -> [B, Z, N, C, F] for Z chunks of C tokens
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, padded - length), (0, 0), (0, 0)])
-    return jnp.moveaxis(x.reshape(b, num_chunks, chunk, n, x.shape[-1]), 2, 3)
-
-  def to_sub_chunks(x):  # [..., C, F] -> [..., P, c, F] for P sub-chunks of c tokens
-    return x.reshape(*x.shape[:-2], num_sub, sub, x.shape[-1])
-
-  # Zero padding (log w = 0, k = 0) leaves the state as it is.
-  r, k, v, log_decay = map(to_chunks, (r, k, v, log_decay))
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
-  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
-  same = same[:, :, None]
-  sees_state, adds = (m[:, :, None, :, None] for m in (sees_state, adds))
-  keeps_state = keeps_state[:, :, None, None]
-
-  inclusive = jnp.cumsum(log_decay, axis=-2)  # G [B, Z, N, C, H]
-  exclusive = jnp.pad(inclusive[..., :-1, :], [(0, 0)] * 3 + [(1, 0), (0, 0)])  # P_t = G_{t-1}
-
-  # s in an earlier sub-chunk than t: through R, P at the first token of t's sub-chunk.
-  reference_BxZxNxPxH = exclusive[..., ::sub, :]
-  r_from_reference = to_sub_chunks(r) * jnp.exp(
-      to_sub_chunks(exclusive) - reference_BxZxNxPxH[..., None, :])
-  earlier_PxC = jnp.arange(chunk)[None, :] < sub * jnp.arange(num_sub)[:, None]
-  k_to_reference = k[..., None, :, :] * jnp.exp(jnp.where(
-      earlier_PxC[..., None], reference_BxZxNxPxH[..., None, :] - inclusive[..., None, :, :],
-      -jnp.inf))  # [B, Z, N, P, C, H]
-  across = jnp.einsum("bznpih,bznpsh->bznpis", r_from_reference, k_to_reference)
-  # s and t in one sub-chunk: each pair's factor, u where s = t.
-  before = jnp.arange(sub)[None, :] < jnp.arange(sub)[:, None]
-  pair_exponents = (to_sub_chunks(exclusive)[..., :, None, :]
-                    - to_sub_chunks(inclusive)[..., None, :, :])
-  pair_factors = (jnp.exp(jnp.where(before[..., None], pair_exponents, -jnp.inf))
-                  + jnp.eye(sub)[..., None] * bonus[:, None, None, None, :])  # [B,Z,N,P,c,c,H]
-  within = jnp.einsum("bznpih,bznpish,bznpsh->bznpis", to_sub_chunks(r), pair_factors,
-                      to_sub_chunks(k))
-  within = jnp.einsum("bznpis,pq->bznpiqs", within, jnp.eye(num_sub)).reshape(
-      b, num_chunks, n, chunk, chunk)
-  scores = jnp.where(same, across.reshape(b, num_chunks, n, chunk, chunk) + within, 0.0)
-
-  from_start = jnp.exp(exclusive) * sees_state
-  to_end = jnp.exp(inclusive[..., -1:, :] - inclusive) * adds
-  chunk_decay_BxZxNxH = jnp.exp(inclusive[..., -1, :]) * keeps_state
-  chunk_kv = jnp.einsum("bznch,bznce->bznhe", k * to_end, v)
-
-  def step(state_BxNxHxE, decay_and_kv):
-    decay_BxNxH, kv_BxNxHxE = decay_and_kv
-    return decay_BxNxH[..., None] * state_BxNxHxE + kv_BxNxHxE, state_BxNxHxE
-
-  to_scan = lambda x: jnp.moveaxis(x, 1, 0)
-  state, starts = jax.lax.scan(step, state.astype(jnp.float32),
-                               (to_scan(chunk_decay_BxZxNxH), to_scan(chunk_kv)))
-  out = (jnp.einsum("bznch,bznhe->bznce", r * from_start, jnp.moveaxis(starts, 0, 1))
-         + jnp.einsum("bzncs,bznse->bznce", scores, v))
-  out = jnp.moveaxis(out, 3, 2).reshape(b, padded, n, e)[:, :length]
-  return out, state
+  """The RWKV-6 recurrence in the chunked form: o_t = r_t^T (S_{t-1} + diag(u) k_t v_t^T),
+  S_t = diag(w_t) S_{t-1} + k_t v_t^T (vector_decay.chunked_vector_decay with the bonus u)."""
+  return vector_decay.chunked_vector_decay(r, k, v, log_decay, state, bonus=bonus,
+                                           chunk_size=chunk_size, sub_chunk_size=sub_chunk_size,
+                                           segments=segments)
 
 
 def _orthogonal(gain):
@@ -272,7 +188,7 @@ class RWKV6(base.Mixer):
   def mixing_flops_per_token(self, context_length):
     n, h = self.num_heads, self.head_dim
     c = min(self.chunk_size, context_length)
-    sub = _sub_chunk_length(c, self.sub_chunk_size)
+    sub = vector_decay.sub_chunk_length(c, self.sub_chunk_size)
     # Within a chunk: r.k scores over the chunk's (C + 1) / 2 earlier tokens on average and
     # scores @ v; the per-pair decay factors of a sub-chunk (exp, r * factor * k); across
     # chunks: r S_0 and the state update. The token shift's five interpolations and the norm.

@@ -24,6 +24,7 @@ from research import defaults
 from research import feed_forward
 from research import model as model_lib
 from research import positions
+from research import variants
 from research.data import catalog
 
 
@@ -86,8 +87,7 @@ def _rules(config) -> Iterator[tuple[str, bool, str]]:
 
 def variant_sections() -> set[str]:
   """model.<key> of every variant's settings sub-dict."""
-  return {f"model.{key}" for key, value in defaults.get_config().model.items()
-          if isinstance(value, ml_collections.ConfigDict)}
+  return {f"model.{key}" for key in variants.default_settings()}
 
 
 def _owners(section: str) -> str:
@@ -103,6 +103,16 @@ def within(name: str, prefix: str) -> bool:
   return name == prefix or name.startswith(prefix + ".")
 
 
+def _enclosing(name: str, sections: dict[str, str]) -> str | None:
+  """The entry of `sections` that dotted `name` is or lies inside, or None."""
+  parts = name.split(".")
+  for end in range(1, len(parts) + 1):
+    section = ".".join(parts[:end])
+    if section in sections:
+      return section
+  return None
+
+
 def not_read(config: ml_collections.ConfigDict) -> dict[str, str]:
   """{field or section this config does not read: who reads it}. Assumes the choices (data.name,
   the model's variants) are valid: research.training.checks validates them first."""
@@ -111,10 +121,14 @@ def not_read(config: ml_collections.ConfigDict) -> dict[str, str]:
 
 def unread_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
   """{field set away from its default that this config does not read: who reads it}."""
-  values, default = defaults.flatten(config), defaults.flatten(defaults.get_config())
+  values, default = defaults.flatten(config), defaults.flat_defaults()
   skipped = not_read(config)
-  return {name: who for name, value in values.items() for section, who in skipped.items()
-          if within(name, section) and value != default.get(name)}
+  unread = {}
+  for name, value in values.items():
+    section = _enclosing(name, skipped)
+    if section is not None and value != default.get(name):
+      unread[name] = skipped[section]
+  return unread
 
 
 def check(config: ml_collections.ConfigDict):
@@ -150,14 +164,21 @@ def for_run_of_experiment(config: ml_collections.ConfigDict, overrides, log=prin
   return reset(config, shared)
 
 
+def _from_json(value):
+  """A flattened default as the schema holds it: JSON lists back to tuples."""
+  return tuple(map(_from_json, value)) if isinstance(value, list) else value
+
+
 def reset(config: ml_collections.ConfigDict, names) -> ml_collections.ConfigDict:
   """A copy of `config` with the fields `names` at their defaults."""
   config = config.copy_and_resolve_references()
-  default = defaults.get_config()
+  if not names:
+    return config
+  default = defaults.flat_defaults()
   for name in names:
     *sections, field = name.split(".")
-    node, default_node = config, default
+    node = config
     for section in sections:
-      node, default_node = node[section], default_node[section]
-    node[field] = default_node[field]
+      node = node[section]
+    node[field] = _from_json(default[name])
   return config
