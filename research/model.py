@@ -171,9 +171,9 @@ class Block(nnx.Module):
     return x, {"mixer": mixer_cache, "feed_forward": feed_forward_cache}
 
   def cache_bytes(self, batch_size, context_length):
-    state = jax.eval_shape(lambda: None if self.mlp is None
-                           else self.mlp.init_cache(batch_size, context_length))
-    return self.mixer.cache_bytes(batch_size, context_length) + nn.tree_bytes(state)
+    feed_forward = (0 if self.mlp is None
+                    else nn.tree_bytes(nn.cache_shapes(self.mlp, batch_size, context_length)))
+    return self.mixer.cache_bytes(batch_size, context_length) + feed_forward
 
 
 class LanguageModel(nnx.Module):

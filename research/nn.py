@@ -107,6 +107,15 @@ def embed(num_embeddings, features, axes, *, rngs, dtype, stddev, weight_decay=T
                    rngs=rngs)
 
 
+def cache_shapes(module, batch_size, max_length):
+  """The shapes of module.init_cache(batch_size, max_length), computing nothing; the parameters
+  go in as arguments, so that a cache computed from them (a long convolution's filter taps) has
+  shapes also for a module built by nnx.eval_shape, whose parameters are shapes only."""
+  graphdef, state = nnx.split(module)
+  return jax.eval_shape(
+      lambda state: nnx.merge(graphdef, state).init_cache(batch_size, max_length), state)
+
+
 def tree_bytes(tree) -> int:
   """Bytes of the arrays (or ShapeDtypeStructs) of a pytree, e.g. a decode cache's shapes."""
   return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

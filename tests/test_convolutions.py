@@ -135,4 +135,5 @@ def test_hyena_decodes_from_a_longer_cache_as_the_naive_reference():
   want = jax.jit(lambda x: naive(mixer, x))(x)
   np.testing.assert_allclose(jnp.concatenate(outs, axis=1), want, atol=1e-4, rtol=1e-4)
   per_token = type(mixer).cache_bytes_per_token(tiny_model_config(attention="hyena"))
-  assert mixer.cache_bytes(1, 64) - mixer.cache_bytes(1, 32) == 32 * per_token == 32 * 32 * 4
+  # 32 float32 inputs and 32 float32 filter taps per position
+  assert mixer.cache_bytes(1, 64) - mixer.cache_bytes(1, 32) == 32 * per_token == 32 * 32 * 8

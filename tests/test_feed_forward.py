@@ -39,11 +39,11 @@ def _experts_loop(params, x_TxD, chosen, renormalize):
   return jnp.stack(rows)
 
 
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_moe_matches_each_token_run_through_its_top_k_experts(renormalize):
-  """Outputs and gradients (router and experts) of the dense dispatch == the per-token loop over
+@pytest.mark.parametrize("dispatch,renormalize", [("dense", False), ("sorted", True)])
+def test_moe_matches_each_token_run_through_its_top_k_experts(dispatch, renormalize):
+  """Outputs and gradients (router and experts) of either dispatch == the per-token loop over
   each token's top_k experts (numpy's argsort of the router probabilities)."""
-  graphdef, params = nnx.split(_layer(renormalize=renormalize))
+  graphdef, params = nnx.split(_layer(renormalize=renormalize, dispatch=dispatch))
   x_BxLxD = jax.random.normal(jax.random.key(1), (2, 3, 32))
   x_TxD = x_BxLxD.reshape(6, 32)
   router = next(_kernels(params))

@@ -122,7 +122,7 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(feed_forward_pattern=("mlp", "moe"), num_layers=3), r"num_layers=3 must be a positive multiple of len\(model.feed_forward_pattern\)=2"),
     (dict(feed_forward="moe", moe=dict(num_experts=1)), "model.moe.num_experts=1 is below model.moe.top_k=2; valid: an integer >= 2"),
     (dict(feed_forward="moe", moe=dict(top_k=0)), "model.moe.top_k=0 must be an integer >= 1"),
-    (dict(feed_forward="moe", moe=dict(capacity=1.25)), "unknown field.*model.moe.capacity.*valid: model.moe.load_balancing_weight, model.moe.num_experts"),
+    (dict(feed_forward="moe", moe=dict(capacity=1.25)), "unknown field.*model.moe.capacity.*valid: model.moe.dispatch, model.moe.load_balancing_weight"),
     (dict(feed_forward="moe", mlp_ratio=0), "model.mlp_ratio=0 drops every feed-forward.*use model.mlp_ratio >= 1"),
     (dict(randomize_max_length=-2), "model.randomize_max_length must be >= 0"),
     (dict(softmax=dict(block_size=0)), "model.softmax.block_size must be >= 1"),

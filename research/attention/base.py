@@ -118,7 +118,7 @@ class Mixer(nnx.Module):
     raise NotImplementedError
 
   def cache_bytes(self, batch_size, context_length):
-    return nn.tree_bytes(jax.eval_shape(lambda: self.init_cache(batch_size, context_length)))
+    return nn.tree_bytes(nn.cache_shapes(self, batch_size, context_length))
 
 
 def states_entering_chunks(h0, decays, added, axis):

@@ -37,8 +37,9 @@ output t from later inputs (wrap-around: not causal); here the taps past L - 1 a
 
 Long convolutions run as hyena.py's: FFT (length 2L) in training and evaluation, the exact masked
 Toeplitz form for packed documents, and in decoding a cache holding the history of the inputs u
-[B, max_length, D] (D * itemsize bytes per token and layer; one new token is a dot product over
-it, O(context * D)). The short conv's decode state is its window of K - 1 inputs; with packed
+[B, max_length, D] and the filter's max_length taps, evaluated once when the cache is made (D *
+(itemsize + 4) bytes per token and long layer at batch 1; one new token is a dot product over the
+history, O(context * D)). The short conv's decode state is its window of K - 1 inputs; with packed
 documents it sees no input of an earlier document.
 
 Deviations: per-layer kernel sizes are one size and the alternation above (zoology takes any
@@ -97,8 +98,7 @@ class BaseConv(base.Mixer):
     if not long_layers:
       return None
     # The mean over the layers (the decode suite multiplies by num_layers).
-    per_layer = model_config.d_model * jnp.dtype(nn.compute_dtype(model_config)).itemsize
-    return per_layer * long_layers / layers
+    return hyena.history_and_filter_bytes(model_config) * long_layers / layers
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     del position  # order comes from the convolution
@@ -159,16 +159,16 @@ class BaseConv(base.Mixer):
 
   def init_cache(self, batch_size, max_length):
     if self.long:
-      return {"history": jnp.zeros((batch_size, max_length, self.d_model), self.dtype)}
+      return {"history": jnp.zeros((batch_size, max_length, self.d_model), self.dtype),
+              "filter": self.long_filter(max_length)}
     return {"conv": jnp.zeros((batch_size, self.kernel_size - 1, self.d_model), self.dtype)}
 
   def decode(self, x_BxTxD, cache, index):
     if self.long:
       history = hyena.write_history(cache["history"], x_BxTxD, index)
-      conv = (hyena.history_causal_conv(history, self.long_filter(history.shape[1]), index,
-                                        x_BxTxD.shape[1])
+      conv = (hyena.history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1])
               + x_BxTxD.astype(jnp.float32))
-      return self._combine(conv, x_BxTxD), {"history": history}
+      return self._combine(conv, x_BxTxD), {**cache, "history": history}
     conv, window = ssm.causal_depthwise_conv(x_BxTxD, cache["conv"], self.conv_kernel[...],
                                              self.conv_bias[...])
     return self._combine(conv.astype(jnp.float32), x_BxTxD), {"conv": window}

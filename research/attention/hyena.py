@@ -32,12 +32,13 @@ Toeplitz form y_t = sum_{0 <= t-s <= p_t} h_{t-s} v_s, p_t = t's position in its
 O(L^2 D) work per row scanned over blocks of queries (bounded memory); masking the inputs of one
 FFT per row is not enough (every document would see its predecessors' convolved tail), and one FFT
 per document has a data-dependent count. The short conv sees no input of an earlier document.
-Decode: the cache keeps the short conv's window and the history of the filter inputs v (the gated
-v * x1) [B, max_length, D] in the compute dtype: it grows with the context (D * itemsize bytes per
-token and layer, `cache_bytes_per_token`). One new token costs a dot product over the history,
-O(context * D); several new tokens (a prefill chunk) one FFT over the whole history buffer. The
-filter is re-evaluated at the cache's max_length taps on every decode call, from the parameters,
-rather than cached (O(max_length * (filter_order^2 + filter_order * D)) per call).
+Decode: the cache keeps the short conv's window, the history of the filter inputs v (the gated
+v * x1) [B, max_length, D] in the compute dtype, and the filter's max_length taps [max_length, D]
+in float32, evaluated once when the cache is made (a function of the parameters, which do not
+change while one cache is in use): it grows with the context (D * (itemsize + 4) bytes per token
+and layer at batch 1, `cache_bytes_per_token`). One new token costs a dot product over the
+history, O(context * D); several new tokens (a prefill chunk) one FFT over the whole history
+buffer.
 
 Lengths past l_max: the reference asserts L <= l_max (its z and t are tables of l_max rows, z
 itself a parameter). Here z_n and the modulation are computed from n, so the filter is defined at
@@ -146,6 +147,13 @@ def history_causal_conv(history_BxSxF, k_SxF, index, num_tokens):
   return jax.lax.dynamic_slice_in_dim(full, index, num_tokens, axis=1)
 
 
+def history_and_filter_bytes(model_config):
+  """Decode-cache bytes per token of a long convolution at batch 1: the input's d_model values
+  in the compute dtype and the filter tap's d_model float32 values."""
+  itemsize = jnp.dtype(nn.compute_dtype(model_config)).itemsize
+  return model_config.d_model * (itemsize + 4)
+
+
 def fft_conv_flops_per_token(length, channels):
   """FLOPs per token of fft_causal_conv: three real FFTs of n = 2L points (about 2.5 n log2 n
   each) and the complex product, over the L tokens."""
@@ -196,8 +204,9 @@ class Hyena(base.Mixer):
 
   @classmethod
   def cache_bytes_per_token(cls, model_config):
-    """The history of filter inputs: d_model values per token, in the compute dtype."""
-    return model_config.d_model * jnp.dtype(nn.compute_dtype(model_config)).itemsize
+    """The history of filter inputs (d_model values per token, in the compute dtype) and the
+    filter's taps (d_model float32 values per position), at batch 1."""
+    return history_and_filter_bytes(model_config)
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     del layer_index  # the same computation at every depth
@@ -270,14 +279,14 @@ class Hyena(base.Mixer):
 
   def init_cache(self, batch_size, max_length):
     return {"conv": jnp.zeros((batch_size, self.short_width - 1, 3 * self.d_model), self.dtype),
-            "history": jnp.zeros((batch_size, max_length, self.d_model), self.dtype)}
+            "history": jnp.zeros((batch_size, max_length, self.d_model), self.dtype),
+            "filter": self.implicit_filter(max_length)}
 
   def decode(self, x_BxTxD, cache, index):
     v, x2, window = self._gated_inputs(x_BxTxD, cache["conv"])
     history = write_history(cache["history"], v, index)
-    long = history_causal_conv(history, self.implicit_filter(history.shape[1]), index,
-                               x_BxTxD.shape[1])
-    return self._output(long, v, x2), {"conv": window, "history": history}
+    long = history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1])
+    return self._output(long, v, x2), {**cache, "conv": window, "history": history}
 
   def mixing_flops_per_token(self, context_length):
     d, order = self.d_model, self.filter_order

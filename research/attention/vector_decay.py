@@ -7,7 +7,8 @@ Per head, a matrix state S [H, E] (keys x values) with a data-dependent decay w_
 Within a chunk of C tokens, with G_t = sum_{m <= t} log w_m the inclusive cumulative log decay
 since the chunk's start, Q_t the query's exponent (P_t = G_{t-1} for RWKV-6, G_t for GLA) and
 S_0 the state there:
-  o_t = (q_t e^{Q_t}) S_0 + sum_{s in pairs(t)} (sum_c q_tc k_sc e^{Q_tc - G_sc}) v_s [+ (q_t u k_t) v_t]
+  o_t = (q_t e^{Q_t}) S_0 + sum_{s in pairs(t)} (sum_c q_tc k_sc e^{Q_tc - G_sc}) v_s
+        [+ (q_t u k_t) v_t for RWKV-6]
   S_C = e^{G_C} S_0 + sum_s (k_s e^{G_C - G_s})^T v_s
 with pairs(t) = s < t for RWKV-6 and s <= t for GLA. Only the last line is sequential: a scan
 over chunks carries S. Numerical safety: every exponent is <= 0, so nothing overflows however

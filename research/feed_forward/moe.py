@@ -35,16 +35,57 @@ Every input token counts, padding and tokens without loss weight included: each 
 experts like any other (MQAR scores only its answers), and language-model training windows have
 no padding.
 
-Dense dispatch: every expert runs on every token and the combine weights are 0 outside R_t. The
-outputs and gradients are exactly those of running each token's top_k experts alone, no token is
-dropped (no capacity), and it is simple, at X / top_k times the FLOPs of a sparse layer and
-activations [B, L, X, F]: right for the lab's small models. At scale one sorts the tokens by
-expert and runs a grouped matmul (jax.lax.ragged_dot; MaxText's megablox), or dispatches into
-fixed-capacity expert buffers with an all-to-all over an expert-parallel mesh axis (GShard,
-Switch); routing, weights and losses stay as here. research.flops counts the routed experts
-only (model FLOPs), so MFU states what a sparse layer would need. The experts' weights are
-stacked on the logical axis `expert`, split over the mesh's `tensor` axis: each device runs its
-experts on its tokens and the combine sums over devices, as tensor parallelism does for an MLP.
+Dispatch (model.moe.dispatch): how the experts run. Both compute the same function, exactly: no
+token is dropped (no capacity), the outputs and gradients are those of running each token's
+top_k experts alone, up to the order of floating-point sums.
+  "dense"   (the default) every expert runs on every token and the combine weights are 0 outside
+            R_t: y = down(gelu(up(x)) * w), activations [B, L, X, F], X / top_k times the FLOPs
+            of the routed experts. Simple, and the reference: tests/test_moe_dispatch.py checks
+            the sorted dispatch's outputs, gradients (input and every parameter) and auxiliary
+            losses against it in float32.
+  "sorted"  each (token, chosen expert) pair runs once, as MaxText's sparse matmul (megablox).
+            Over the T = B L tokens, pair m = t top_k + r is token t's r-th choice e_m = R_t[r],
+            with weight w_m. A stable argsort of e gives `order`, the pairs grouped by expert
+            (in token order within an expert), g_e = #{m : e_m = e} (bincount) rows per expert;
+            two grouped matmuls (jax.lax.ragged_dot: the i-th row of group e times W_e):
+              h_i = gelu(x_{t(order_i)} W^up_{e(order_i)})                       [M, F]
+              z_i = (w_{order_i} h_i) W^down_{e(order_i)}                       [M, D]
+            then the un-sort: inverse = order^-1 (a scatter of 0..M-1 to `order`), and
+            y_t = sum_r z_{inverse(t top_k + r)}, summed in float32. The parameters are the
+            dense dispatch's (self.up, self.down kernels, which have no biases; cast to the
+            compute dtype as nnx.Einsum does), and the routing and losses are shared.
+            Cost: top_k / X of the dense expert-matmul FLOPs, plus a sort of M = T top_k
+            integers and gathers of M rows; activations [M, F] instead of [T, X, F].
+That saving needs a backend that runs ragged_dot as a grouped matmul: TPU (chlo.ragged_dot). JAX's
+CPU lowering of ragged_dot (jax 0.10) expands it into a masked dense matmul over all X groups,
+X M D F multiply-adds, top_k times the dense dispatch's, and XLA's GPU compiler does the same
+(its RaggedDotRewriter) unless an experimental grouped-matmul backend takes the op (cuDNN's
+ragged-dot fusion, which leaves the weight gradient dense). Measured on a busy 2-core CPU
+(research/bench/moe_dispatch.py --quick: d_model 64, 8 experts, top-2, 128 tokens): sorted is no
+faster than dense (0.5x to 1.0x its speed over runs, one layer's or a 2-layer model's fwd+bwd) at
+1.9x its compiled FLOPs; at the benchmark's full size (d_model 512, 16 experts, top-2, 4096
+tokens) XLA counts 1380 against 693 GFLOP for one layer's fwd+bwd, where a grouped matmul would
+need 2 / 16 of the dense expert FLOPs. So "dense" stays the default, until the full benchmark on
+the target accelerator says otherwise. Because both dispatches compute the same function, a
+saved run (it predates the field, and loads with the default "dense", as it was trained) would
+be as correct with "sorted": no predated_settings is needed.
+
+research.flops counts the routed experts only (model FLOPs), so MFU states what a sparse layer
+would need, whichever the dispatch. At scale one also dispatches into fixed-capacity expert
+buffers with an all-to-all over an expert-parallel mesh axis (GShard, Switch), dropping tokens
+over capacity; routing, weights and losses stay as here.
+
+Sharding: the experts' weights are stacked on the logical axis `expert`, split over the mesh's
+`tensor` axis. Dense: each device runs its experts on its tokens and the combine sums over
+devices, as tensor parallelism does for an MLP. Sorted: the sort is over every token of the
+batch, so under a mesh XLA all-gathers the expert ids over the batch axes and each device works
+on the rows of the whole batch: the data-parallel split of the expert matmuls is lost inside the
+layer. On CPU the expert weights stay split over `tensor` (no all-gather of them in the compiled
+conformance-suite layer on a 2 x 2 x 2 mesh; the masked matmul is split by expert and
+all-reduced); how XLA partitions a native ragged dot (TPU, GPU) was not checked here. Correct
+(tests/test_conformance.py: sharded == unsharded runs the sorted dispatch), not efficient: a
+sharded sorted dispatch sorts per data shard and exchanges rows with an all-to-all (MaxText under
+shard_map), not done here.
 """
 
 import jax
@@ -56,6 +97,8 @@ from research.feed_forward import base
 
 # Each expert's kernels start as the MLP's do: fan-in of one expert, not of the stack.
 EXPERT_INIT = nnx.initializers.lecun_normal(batch_axis=(0,))
+# model.moe.dispatch: how the experts run (the module docstring); both compute the same function.
+DISPATCHES = ("dense", "sorted")
 
 
 def routing_statistics(probs_TxX, chosen_TxX):
@@ -81,8 +124,10 @@ def router_z_loss(logits_TxX):
 class MixtureOfExperts(base.FeedForward):
   hyperparameters = {"num_experts": 16, "top_k": 2, "renormalize": False,
                      "load_balancing_weight": 0.01, "pooled_load_balancing": False,
-                     "router_z_loss_weight": 0.0}
-  test_settings = {"num_experts": 4, "top_k": 2}
+                     "router_z_loss_weight": 0.0, "dispatch": "dense"}
+  # The conformance suite runs the sorted dispatch (dense is the default, and the reference that
+  # tests/test_moe_dispatch.py compares it with).
+  test_settings = {"num_experts": 4, "top_k": 2, "dispatch": "sorted"}
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -93,6 +138,9 @@ class MixtureOfExperts(base.FeedForward):
     if not isinstance(experts, int) or experts < top_k:
       raise ValueError(f"model.moe.num_experts={experts!r} is below model.moe.top_k={top_k}; "
                        f"valid: an integer >= {top_k}, or a smaller top_k")
+    if settings.dispatch not in DISPATCHES:
+      raise ValueError(f"model.moe.dispatch={settings.dispatch!r} is not a dispatch; valid: "
+                       f"{', '.join(map(repr, DISPATCHES))}")
     if not isinstance(settings.pooled_load_balancing, bool):
       raise ValueError(f"model.moe.pooled_load_balancing={settings.pooled_load_balancing!r} must "
                        f"be True (one loss on the pooled tokens of all MoE layers, as HF "
@@ -112,6 +160,7 @@ class MixtureOfExperts(base.FeedForward):
     self.load_balancing_weight = settings.load_balancing_weight
     self.pooled_load_balancing = settings.pooled_load_balancing
     self.router_z_loss_weight = settings.router_z_loss_weight
+    self.dispatch = settings.dispatch
     # The router is small: replicated, so every device routes its tokens to all experts.
     self.router = nn.dense("BLD,DX->BLX", (d, experts), ("embed", None), rngs=rngs,
                            dtype=jnp.float32)
@@ -120,26 +169,70 @@ class MixtureOfExperts(base.FeedForward):
     self.down = nn.dense("BLXF,XFD->BLD", (experts, hidden, d), ("expert", "mlp", "embed"),
                          rngs=rngs, dtype=dtype, init=EXPERT_INIT)
 
-  def route(self, x_BxLxD):
-    """(router logits, probabilities p [B, L, X], combine weights w [B, L, X]: 0 outside the
-    top_k experts, p or renormalised p on them, chosen [B, L, X]: 1 on the top_k), float32."""
+  def select(self, x_BxLxD):
+    """(router logits, probabilities p [B, L, X], the top_k experts' combine weights w [B, L, R]
+    (p, or renormalised p) and indices [B, L, R]), float32."""
     logits_BxLxX = self.router(x_BxLxD.astype(jnp.float32))
     probs_BxLxX = jax.nn.softmax(logits_BxLxX, axis=-1)
     top_probs_BxLxR, top_experts_BxLxR = jax.lax.top_k(probs_BxLxX, self.top_k)
     if self.renormalize:
       top_probs_BxLxR = top_probs_BxLxR / top_probs_BxLxR.sum(-1, keepdims=True)
+    return logits_BxLxX, probs_BxLxX, top_probs_BxLxR, top_experts_BxLxR
+
+  def route(self, x_BxLxD):
+    """(router logits, probabilities p [B, L, X], combine weights w [B, L, X]: 0 outside the
+    top_k experts, p or renormalised p on them, chosen [B, L, X]: 1 on the top_k), float32."""
+    logits_BxLxX, probs_BxLxX, top_probs_BxLxR, top_experts_BxLxR = self.select(x_BxLxD)
     one_hot_BxLxRxX = jax.nn.one_hot(top_experts_BxLxR, probs_BxLxX.shape[-1])
     weights_BxLxX = jnp.einsum("blr,blrx->blx", top_probs_BxLxR, one_hot_BxLxRxX)
     return logits_BxLxX, probs_BxLxX, weights_BxLxX, one_hot_BxLxRxX.sum(-2)
 
   def __call__(self, x_BxLxD, segments_BxL=None):
     del segments_BxL  # token by token
-    logits_BxLxX, probs_BxLxX, weights_BxLxX, chosen_BxLxX = self.route(x_BxLxD)
-    hidden_BxLxXxF = jax.nn.gelu(self.up(x_BxLxD))
-    y_BxLxD = self.down(hidden_BxLxXxF * weights_BxLxX[..., None].astype(hidden_BxLxXxF.dtype))
+    if self.dispatch == "sorted":
+      logits_BxLxX, probs_BxLxX, top_probs_BxLxR, top_experts_BxLxR = self.select(x_BxLxD)
+      y_BxLxD = self._sorted_experts(x_BxLxD, top_probs_BxLxR, top_experts_BxLxR)
+      chosen_BxLxX = jax.nn.one_hot(top_experts_BxLxR, probs_BxLxX.shape[-1]).sum(-2)
+    else:
+      logits_BxLxX, probs_BxLxX, weights_BxLxX, chosen_BxLxX = self.route(x_BxLxD)
+      y_BxLxD = self._dense_experts(x_BxLxD, weights_BxLxX)
     if base.capturing(self):  # the training loss (research/training/loop.py)
       self._sow_losses(logits_BxLxX, probs_BxLxX, chosen_BxLxX)
     return y_BxLxD
+
+  def _dense_experts(self, x_BxLxD, weights_BxLxX):
+    """sum_e w_te MLP_e(x_t) with every expert run on every token (w_te = 0 outside R_t)."""
+    hidden_BxLxXxF = jax.nn.gelu(self.up(x_BxLxD))
+    return self.down(hidden_BxLxXxF * weights_BxLxX[..., None].astype(hidden_BxLxXxF.dtype))
+
+  def _sorted_experts(self, x_BxLxD, top_probs_BxLxR, top_experts_BxLxR):
+    """sum_{e in R_t} w_te MLP_e(x_t), each (token, chosen expert) pair run once: the M = T top_k
+    pairs sorted by expert, two grouped matmuls (jax.lax.ragged_dot), then un-sorted."""
+    *leading, d = x_BxLxD.shape
+    top_k, dtype = self.top_k, self.up.dtype
+    # The kernels as nnx.Einsum evaluates them (promoted to the compute dtype; no biases).
+    up_XxDxF = self.up.kernel[...].astype(dtype)
+    down_XxFxD = self.down.kernel[...].astype(dtype)
+    experts = up_XxDxF.shape[0]
+    x_TxD = x_BxLxD.reshape(-1, d).astype(dtype)
+    # Pair m = t top_k + r: token t's r-th choice. A stable sort keeps each expert's pairs in
+    # token order; pair order[i] is row i of the sorted rows, and row inverse[m] holds pair m.
+    experts_M = top_experts_BxLxR.reshape(-1)
+    order_M = jnp.argsort(experts_M, stable=True)
+    inverse_M = jnp.zeros_like(order_M).at[order_M].set(
+        jnp.arange(order_M.shape[0], dtype=order_M.dtype), unique_indices=True)
+    group_sizes_X = jnp.bincount(experts_M, length=experts).astype(jnp.int32)
+    x_MxD = jnp.take(x_TxD, order_M // top_k, axis=0)
+    hidden_MxF = jax.nn.gelu(jax.lax.ragged_dot(x_MxD, up_XxDxF, group_sizes_X,
+                                                precision=self.up.precision))
+    weights_M = jnp.take(top_probs_BxLxR.reshape(-1), order_M).astype(hidden_MxF.dtype)
+    y_MxD = jax.lax.ragged_dot(hidden_MxF * weights_M[:, None], down_XxFxD, group_sizes_X,
+                               precision=self.down.precision,
+                               preferred_element_type=jnp.float32)
+    # Un-sort (a gather by the inverse permutation) and add each token's top_k rows, in float32
+    # as the dense path's down projection accumulates its sum over experts.
+    y_TxRxD = jnp.take(y_MxD, inverse_M, axis=0).reshape(-1, top_k, d)
+    return y_TxRxD.sum(1).astype(dtype).reshape(*leading, d)
 
   def _sow_losses(self, logits_BxLxX, probs_BxLxX, chosen_BxLxX):
     """This layer's part of the auxiliary losses (research/feed_forward/base.py combines the

@@ -41,7 +41,7 @@ EVALUATION_FIELDS = ("eval",) + ROTARY_SCALING_FIELDS
 EXECUTION_FIELDS = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                     "train.keep_checkpoints_at",
                     "train.eval_every", "train.eval_batches", "train.tensorboard", "mesh",
-                    "distributed", "data.dir", "model.attention_backend")
+                    "distributed", "data.dir", "model.attention_backend", "model.moe.dispatch")
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:
