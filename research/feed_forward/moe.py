@@ -60,13 +60,11 @@ That saving needs a backend that runs ragged_dot as a grouped matmul: TPU (chlo.
 CPU lowering of ragged_dot (jax 0.10) expands it into a masked dense matmul over all X groups,
 X M D F multiply-adds, top_k times the dense dispatch's, and XLA's GPU compiler does the same
 (its RaggedDotRewriter) unless an experimental grouped-matmul backend takes the op (cuDNN's
-ragged-dot fusion, which leaves the weight gradient dense). Measured on a busy 2-core CPU
-(research/bench/moe_dispatch.py --quick: d_model 64, 8 experts, top-2, 128 tokens): sorted is no
-faster than dense (0.5x to 1.0x its speed over runs, one layer's or a 2-layer model's fwd+bwd) at
-1.9x its compiled FLOPs; at the benchmark's full size (d_model 512, 16 experts, top-2, 4096
-tokens) XLA counts 1380 against 693 GFLOP for one layer's fwd+bwd, where a grouped matmul would
-need 2 / 16 of the dense expert FLOPs. So "dense" stays the default, until the full benchmark on
-the target accelerator says otherwise. Because both dispatches compute the same function, a
+ragged-dot fusion, which leaves the weight gradient dense). Measured on 2 CPU cores (BENCHMARKS.md,
+research/bench/moe_dispatch.py: d_model 512, 16 experts, top-2, 4096 tokens), sorted runs at
+0.75x the speed of dense, at 2x its compiled FLOPs, where a grouped matmul would need 2 / 16 of
+the dense expert FLOPs. So "dense" stays the default, until the benchmark on the target
+accelerator says otherwise. Because both dispatches compute the same function, a
 saved run (it predates the field, and loads with the default "dense", as it was trained) would
 be as correct with "sorted": no predated_settings is needed.
 

@@ -24,7 +24,9 @@ from research.runs import config_fields
 from research import data
 from research.evaluation import results as eval_results
 from research.results import sweep as sweep_lib
-from research.results.tables import aggregate, intervals, scaled_label, swept_keys, variant_label
+from research.results.tables import (aggregate, cell, intervals, scaled_label, swept_keys,
+                                     variant_label)
+from research.runs import unread
 from research.runs import workdirs
 
 INTERVAL_METRICS = ("loss", "perplexity", "accuracy", "exact_match")
@@ -34,10 +36,6 @@ METRIC_COLUMNS = INTERVAL_METRICS + ("tokens", "sequences") + CI_COLUMNS
 
 def _attention_label(config):
   return "+".join(config.model.layer_pattern) if config.model.layer_pattern else config.model.attention
-
-
-def _cell(value):
-  return "-".join(map(str, value)) if isinstance(value, (tuple, list)) else value
 
 
 def _swept_fields(configs, base_config):
@@ -70,13 +68,18 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
       without.append((run.name, _status(workdir, run)))
       continue
     config, flat = configs[run.name], config_fields.flatten(configs[run.name])
+    # A swept setting this run does not read (another variant's) is no part of its name.
+    try:
+      skipped = unread.not_read(config)
+    except ValueError:  # a variant no longer registered: name it by every swept setting
+      skipped = {}
     for evaluation in evaluations:
       row = {"run": run.name, "attention": _attention_label(config),
              "position": config.model.position, "seed": config.train.seed,
              "train_length": config.train.seq_len, "train_steps": config.train.num_steps}
-      row.update({k: _cell(evaluation[k]) for k in eval_results.KEY if k in evaluation})
+      row.update({k: cell(evaluation[k]) for k in eval_results.KEY if k in evaluation})
       row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
-      row.update({k: _cell(flat[k]) for k in swept})
+      row.update({k: "" if unread.enclosing(k, skipped) else cell(flat[k]) for k in swept})
       row["loss_by_position"] = evaluation["loss_by_position"]
       rows.append(row)
   columns = list(dict.fromkeys(k for row in rows for k in row if k != "loss_by_position"))

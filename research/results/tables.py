@@ -16,9 +16,17 @@ OFF_VALUES_OF = {"data.packing": ("concat",)}  # a field's value that means "as 
 
 
 def _is_off(key, value):
+  """Whether a swept setting is off in this run and off by default: a switch that is on by
+  default (use_forget_gate=True) is named when it is turned off."""
   if key in OFF_VALUES_OF:
     return str(value) in OFF_VALUES_OF[key]
-  return key not in BARE_KEYS and str(value) in OFF_VALUES
+  default = cell(defaults.flat_defaults().get(key))
+  return key not in BARE_KEYS and str(value) in OFF_VALUES and str(default) in OFF_VALUES + ("",)
+
+
+def cell(value):
+  """A config value as results rows hold it: tuples joined by '-'."""
+  return "-".join(map(str, value)) if isinstance(value, (tuple, list)) else value
 
 
 LEADING_KEYS = ("data.name", "model.attention", "model.position")  # labels start with these
@@ -40,9 +48,9 @@ def _label_order(key):
 def variant_label(row: dict, swept_keys: list[str]) -> str:
   """'mha / alibi' (swept values, seed left out; the run's name if nothing is swept), with the
   checkpoint step if it is not the run's last. A swept setting that is off in this run (0,
-  none, False, empty; data.packing=concat) is left out: 'rope' beside 'rope /
-  randomize_max_length=2048', 'mha / alibi' beside 'mha / alibi / documents' and
-  'mha / rope / window=128 / sinks=4'."""
+  none, False, empty; data.packing=concat) and off by default is left out, and so is one the
+  run does not read (empty in its row): 'rope' beside 'rope / randomize_max_length=2048',
+  'mha / alibi' beside 'mha / alibi / documents' and 'mha / rope / window=128 / sinks=4'."""
   parts = [str(row[k]) if k in BARE_KEYS else f"{k.split('.')[-1]}={row[k]}"
            for k in sorted(swept_keys, key=_label_order)
            if k != "train.seed" and row.get(k) not in (None, "") and not _is_off(k, row[k])]

@@ -103,7 +103,7 @@ def within(name: str, prefix: str) -> bool:
   return name == prefix or name.startswith(prefix + ".")
 
 
-def _enclosing(name: str, sections: dict[str, str]) -> str | None:
+def enclosing(name: str, sections: dict[str, str]) -> str | None:
   """The entry of `sections` that dotted `name` is or lies inside, or None."""
   parts = name.split(".")
   for end in range(1, len(parts) + 1):
@@ -125,7 +125,7 @@ def unread_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
   skipped = not_read(config)
   unread = {}
   for name, value in values.items():
-    section = _enclosing(name, skipped)
+    section = enclosing(name, skipped)
     if section is not None and value != default.get(name):
       unread[name] = skipped[section]
   return unread
