@@ -87,3 +87,18 @@ def pytest_sessionfinish(session, exitstatus):
   # pytest-xdist workers share the directory their controller made: the controller removes it.
   if "PYTEST_XDIST_WORKER" not in os.environ:
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
+# The longest files first (seconds on 2 cores, 2026-12-02): pytest-xdist's loadfile scheduling
+# hands out whole files in collection order, so a long file collected last (test_train.py, by
+# name) ran alone at the end while the other worker idled.
+LONGEST_FILES = ("test_train.py",  # ~210 s
+                 "test_sweep.py",  # ~125 s
+                 "test_conformance.py", "test_kernels.py", "test_bench.py",  # ~90 s each
+                 "test_lost_process.py", "test_workflow.py")  # ~50 s each
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
