@@ -1,6 +1,7 @@
 """The sweep runner: expansion and naming, skipping, failure isolation, resume, results files."""
 
 import csv
+import functools
 import json
 import os
 import shutil
@@ -147,9 +148,10 @@ EXPERIMENTS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "config
                      if name.endswith(".py") and name not in NOT_EXPERIMENTS)
 
 
+@functools.lru_cache(maxsize=None)  # the protocol tests below read the sweeps validated here
 def _expand(name, preset):
   module = sweep.load_module(os.path.join(ROOT, "configs", f"{name}.py"))
-  return sweep.expand(module.get_sweep(preset), module.get_config(preset), num_devices=1)
+  return tuple(sweep.expand(module.get_sweep(preset), module.get_config(preset), num_devices=1))
 
 
 @pytest.mark.parametrize("name,preset", [(n, p) for n in EXPERIMENTS for p in ("quick", "full")])
