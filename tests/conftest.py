@@ -23,6 +23,11 @@ os.environ.setdefault("RESEARCH_DATA_DIR", os.path.join(SESSION_TMP, "research_d
 # subprocesses compile the same way (a third faster each).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# One persistent compilation cache for the session and the processes its tests start: the
+# training, sweep, CLI and multi-process tests compile the same tiny programs in many processes.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(SESSION_TMP, "jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
