@@ -20,8 +20,9 @@ def _is_off(key, value):
   default (use_forget_gate=True) is named when it is turned off."""
   if key in OFF_VALUES_OF:
     return str(value) in OFF_VALUES_OF[key]
-  default = cell(defaults.flat_defaults().get(key))
-  return key not in BARE_KEYS and str(value) in OFF_VALUES and str(default) in OFF_VALUES + ("",)
+  if key in BARE_KEYS or str(value) not in OFF_VALUES:
+    return False
+  return str(cell(defaults.flat_defaults().get(key))) in OFF_VALUES + ("",)
 
 
 def cell(value):
