@@ -103,7 +103,17 @@ LONGEST_FILES = ("test_train.py",  # ~210 s
                  "test_lost_process.py", "test_workflow.py")  # ~50 s each
 
 
+def _variant(item):
+  """The conformance suite's variant of a test (its parameters), "" for any other test: the
+  tests of one variant run one after the other, so that the suite keeps one variant's compiled
+  programs alive at a time (tests/test_conformance.py)."""
+  if item.path.name != "test_conformance.py" or not hasattr(item, "callspec"):
+    return ""
+  return item.callspec.id if "window" in item.callspec.params else ""
+
+
 def pytest_collection_modifyitems(session, config, items):
   del session, config
   rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a file
+  # Stable: otherwise in the files' own order.
+  items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), _variant(item)))

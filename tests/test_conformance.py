@@ -22,9 +22,11 @@ from research import attention, model as model_lib, positions, sharding
 from research import feed_forward as feed_forward_lib
 from tests.conftest import tiny_model_config
 
-# Not multiples of the block / chunk size 8; the second chunk (6 tokens, written at index 7) is
-# longer than the window of 5, so it wraps the rolling cache within one write.
-BATCH, LENGTH, PREFILL, SECOND_CHUNK = 4, 19, 7, 6
+# Not multiples of the block / chunk size 8; the second chunk (6 tokens, written at index 6) is
+# longer than the window of 5, so it wraps the rolling cache within one write. The two chunks
+# have one shape: one compiled decode serves both (an empty cache takes the sequence path inside
+# it), the single tokens a second.
+BATCH, LENGTH, PREFILL, SECOND_CHUNK = 4, 19, 6, 6
 CPU_BACKENDS = ("xla", "blockwise")
 # Packed documents of lengths 6, 9, 4 / 3, 16 / 19 / 8, 1, 10: they start inside chunks of 8, span
 # chunk boundaries, and one is a single token.
@@ -37,38 +39,37 @@ WINDOWED = [("mha", "rope", "xla", (5, 2)), ("mha", "alibi", "blockwise", (5, 2)
             ("fox", "none", "blockwise", (5, 2))]
 
 
-def _family(mixer_cls):
-  """The class that defines the mixer's forward (mha, mqa, gqa: SoftmaxAttention)."""
-  return next(c for c in mixer_cls.__mro__ if "__call__" in c.__dict__)
-
-
 def _applies(mixer_cls, position):
   """Whether the mixer itself applies one of the scheme's hooks (the embedding term is added by
   the model, the same for every mixer)."""
   return bool(positions.REGISTRY[position].hooks() & mixer_cls.position_hooks)
 
 
+def _applied_positions(index, mixer_cls):
+  """The schemes a mixer runs with: every compatible one for the first mixer, `none` and each
+  scheme whose hooks it applies for the others (the embedding-only schemes, sinusoidal and
+  learned, are the model's term, the same for every mixer)."""
+  return [p for p in model_lib.compatible_positions(mixer_cls)
+          if not index or p == "none" or _applies(mixer_cls, p)]
+
+
 def _variants():
-  """Every mixer x compatible position scheme x CPU backend, except that (1) a mixer whose family
-  (the class that defines its forward) was already run with every scheme runs one scheme per
-  set of hooks: mqa and gqa share mha's code and differ in their key/value heads; (2) the
-  embedding-only schemes (sinusoidal, learned: the model's term) run with the first mixer alone;
-  the others run `none` and each scheme whose hooks they apply."""
-  families_done = set()
+  """The first mixer (mha) x every compatible scheme x CPU backend; every other mixer x `none`
+  and one scheme per set of hooks it applies (the first registered: rope for qk, alibi for
+  bias) x CPU backend: the schemes' own code runs in full with mha, and a mixer's use of a hook
+  does not depend on which scheme fills it. test_every_scheme_a_mixer_applies_builds_and_traces
+  builds and traces every other pair."""
   for index, (name, mixer_cls) in enumerate(attention.REGISTRY.items()):
     backends = [b for b in mixer_cls.backends if b in CPU_BACKENDS] or [None]
     seen_hooks = set()
-    for position in model_lib.compatible_positions(mixer_cls):
+    for position in _applied_positions(index, mixer_cls):
       hooks = positions.REGISTRY[position].hooks()
-      if index and position != "none" and not _applies(mixer_cls, position):
-        continue
-      if _family(mixer_cls) in families_done and hooks in seen_hooks:
+      if index and hooks in seen_hooks:
         continue
       seen_hooks.add(hooks)
       for backend in backends:
         yield pytest.param(name, position, backend, None, "mlp",
                            id="-".join(x for x in (name, position, backend) if x))
-    families_done.add(_family(mixer_cls))
   for name, position, backend, (window, sinks) in WINDOWED:
     yield pytest.param(name, position, backend, (window, sinks), "mlp",
                        id=f"{name}-{position}-{backend}-window{window}-sinks{sinks}")
@@ -81,7 +82,11 @@ VARIANTS = list(_variants())
 PARAMETERS = "name,position,backend,window,feed_forward"
 
 
-@functools.cache
+# One variant's programs at a time (tests/conftest.py runs a variant's tests one after the
+# other): every compiled program keeps its machine code in memory maps of its own, and the
+# suite's ~400 programs kept alive together came near the kernel's limit of 65530 maps per
+# process (vm.max_map_count), past which XLA crashed the test process with a segmentation fault.
+@functools.lru_cache(maxsize=1)
 def _compiled(name, position, backend, window=None, feed_forward="mlp"):
   """The variant's state, jitted (gradient, logits) / forward / decode functions, empty cache."""
   settings = {} if window is None else {"softmax": dict(window=window[0], sinks=window[1])}
@@ -193,16 +198,43 @@ def test_every_registered_name_is_covered():
   covered = {v.values[0] for v in VARIANTS}
   assert covered == set(attention.REGISTRY)
   assert {"mha", "mqa", "gqa", "linear", "mamba"} <= covered
-  by_family = {(_family(attention.REGISTRY[v.values[0]]), v.values[1]) for v in VARIANTS}
-  for mixer_cls in attention.REGISTRY.values():
-    applied = [p for p in model_lib.compatible_positions(mixer_cls)
-               if p == "none" or _applies(mixer_cls, p)]
-    assert {(_family(mixer_cls), p) for p in applied} <= by_family
+  for index, (name, mixer_cls) in enumerate(attention.REGISTRY.items()):
+    run = {v.values[1] for v in VARIANTS if v.values[0] == name}
+    applied = _applied_positions(index, mixer_cls)
+    assert ({positions.REGISTRY[p].hooks() for p in run}
+            == {positions.REGISTRY[p].hooks() for p in applied}), name
   first = next(iter(attention.REGISTRY))
   embedding_only = {p for p, cls in positions.REGISTRY.items() if cls.hooks() == {positions.EMBED}}
   assert embedding_only <= {v.values[1] for v in VARIANTS if v.values[0] == first}
   blockwise = {v.values[1] for v in VARIANTS if v.values[2] == "blockwise"}
   assert blockwise == set(positions.REGISTRY)  # every scheme through the blockwise score path
+
+
+@pytest.mark.parametrize("name", list(attention.REGISTRY))
+def test_every_scheme_a_mixer_applies_builds_and_traces(name):
+  """Each pair of a mixer and a scheme whose hooks it applies that the tests above do not run
+  builds, and its forward over packed rows and a decode step trace to the right shapes (no
+  compile): a scheme is told the mixer's geometry (research/positions/base.py), and a pair that
+  cannot run must be refused when the model is built, not fail inside a trace."""
+  index = list(attention.REGISTRY).index(name)
+  run = {v.values[1] for v in VARIANTS if v.values[0] == name}
+  for position in _applied_positions(index, attention.REGISTRY[name]):
+    if position in run:
+      continue
+    config = tiny_model_config(attention=name, position=position)
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda config=config: research.build_model(config, rngs=nnx.Rngs(0))))
+    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    forward = jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(
+        t, segments_BxL=jnp.asarray(SEGMENTS)), state, tokens)
+    assert forward.shape == (BATCH, LENGTH, 61), position
+
+    def decode(state, token_Bx1):
+      model = nnx.merge(graphdef, state)
+      return model.decode(token_Bx1, model.init_cache(BATCH, LENGTH))[0]
+
+    step = jax.eval_shape(decode, state, jax.ShapeDtypeStruct((BATCH, 1), jnp.int32))
+    assert step.shape == (BATCH, 1, 61), position
 
 
 @pytest.mark.parametrize("name", list(attention.REGISTRY))

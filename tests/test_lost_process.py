@@ -2,7 +2,7 @@
 service's key-value store (fast, in-process), then a 2-process run (jax.distributed on localhost,
 gloo collectives on CPU) whose process 1 is killed: process 0 stops within seconds with one line
 naming it (research.training.lost_process.Watchdog), and relaunching both resumes to the parameters of
-an uninterrupted run."""
+an uninterrupted run, whose losses are those of the same run in one process."""
 
 import json
 import os
@@ -20,6 +20,8 @@ import pytest
 
 from research.runs import checkpoints
 from research.training import lost_process
+from research.training import loop as train
+from tests import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
@@ -260,3 +262,12 @@ def test_a_killed_process_stops_the_other_with_one_line_and_both_resume_exactly(
   for got, want in zip(_final_params(resumed), _final_params(reference), strict=True):
     np.testing.assert_array_equal(got, want)
   assert _losses(resumed) == _losses(reference)
+
+  # Two processes of 4 devices compute what one process of 8 does (the same mesh and batches;
+  # the reduction order differs). In this process, once the others have ended.
+  one_process = str(tmp_path / "one_process")
+  config = tiny_config.get_config()
+  config.train.update(num_steps=16, checkpoint_every=4)
+  train.train_and_evaluate(config, one_process)
+  assert len(_losses(one_process)) == len(_losses(reference)) > 1
+  np.testing.assert_allclose(_losses(reference), _losses(one_process), rtol=1e-4)

@@ -8,6 +8,7 @@ entry; so are the benchmarks, the variants table and the sweeps that enumerate i
 from research.attention.base import Mixer
 from research.attention.baseconv import BaseConv
 from research.attention.deltanet import DeltaNet
+from research.attention.diff import DifferentialAttention
 from research.attention.fox import ForgettingAttention
 from research.attention.gated_deltanet import GatedDeltaNet
 from research.attention.gated_deltaproduct import GatedDeltaProduct
@@ -15,10 +16,14 @@ from research.attention.gla import GatedLinearAttention
 from research.attention.hyena import Hyena
 from research.attention.linear import LinearAttention
 from research.attention.mamba2 import Mamba2
+from research.attention.mla import MultiHeadLatentAttention
+from research.attention.moba import MoBA
 from research.attention.retention import Retention
 from research.attention.rwkv6 import RWKV6
 from research.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
+from research.attention.sparse import SparseAttention
 from research.attention.ssm import Mamba
+from research.attention.stickbreaking import StickBreakingAttention
 from research.registry import Registry
 
 REGISTRY = Registry("attention type", "model.attention")
@@ -37,3 +42,8 @@ REGISTRY.register("gated_deltaproduct", GatedDeltaProduct)
 REGISTRY.register("gla", GatedLinearAttention)
 REGISTRY.register("baseconv", BaseConv)
 REGISTRY.register("hyena", Hyena)
+REGISTRY.register("diff", DifferentialAttention, settings="softmax")
+REGISTRY.register("mla", MultiHeadLatentAttention)
+REGISTRY.register("sparse", SparseAttention)
+REGISTRY.register("stickbreaking", StickBreakingAttention)
+REGISTRY.register("moba", MoBA)

@@ -42,6 +42,14 @@ Backends (what each can express, and which `auto` picks):
              (the crossover of the two measured fwd+bwd on a 2-core CPU); xla otherwise.
 `probabilities` returns the materialised attention weights of the same computation (the
 analyses read them from here).
+
+`normaliser` turns the logits into weights: "softmax" (the default, everything above), or
+"stickbreaking" (stick-breaking attention, Tan et al., arXiv:2410.17980; research.attention.
+stick_breaking_kernel): A_ij = sigmoid(z_ij) prod_{l in (j, i)} (1 - sigmoid(z_il)) over the
+visible keys before the query (or up to it: StickBreaking(attend_current=True)), not summing to
+1. It runs on xla (materialised, float32) and blockwise (its own kernel on the same tiles,
+score modifications and masks, nearest key block first); cudnn, sliding windows and sinks are
+refused. `auto` picks between xla and blockwise as for softmax.
 """
 
 import dataclasses
@@ -51,10 +59,13 @@ import jax
 import jax.numpy as jnp
 
 from research.attention import masks
+from research.attention import stick_breaking_kernel
 from research.attention.blockwise import blockwise
 from research.attention.masks import CAUSAL, MaskSpec  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "xla", "blockwise", "cudnn")
+# What turns the logits into attention weights (`normaliser` of attend and probabilities).
+NORMALISERS = ("softmax", stick_breaking_kernel.NAME)
 # `auto`: blockwise from this length on. Measured fwd+bwd on a 2-core CPU (mixers suite: batch 1,
 # 8 heads, head_dim 64, block 128, fp32), xla / blockwise in ms: 256: 13.4 / 12.6, 512: 34.0 /
 # 29.6, 768: 82.3 / 82.5, 1024: 190 / 123, 2048: 764 / 460. Below 1024 the two are within the
@@ -206,9 +217,12 @@ def _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_para
 
 
 def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_params=(),
-                  inputs=None, mask=CAUSAL, segments_BxT=None, sink_queries=None):
+                  inputs=None, mask=CAUSAL, segments_BxT=None, sink_queries=None,
+                  normaliser="softmax"):
   """(float32 attention probabilities [B, N, T, T], the visible keys [B | 1, 1, T, T]) of
-  `attend` with the same arguments, materialised: for analyses and interventions."""
+  `attend` with the same arguments, materialised: for analyses and interventions (with
+  normaliser "stickbreaking": its weights, and the keys that may take weight)."""
+  stick = stick_breaking_kernel.resolve(normaliser, mask)
   t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
   scale = h ** -0.5 if scale is None else scale
   inputs = _default_inputs(inputs, t)
@@ -220,18 +234,23 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
     logits = _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params,
                           inputs, sink_queries, mask, segments_BxT)
   visible = _visible(mask, t, segments_BxT)
+  if stick is not None:
+    index = jnp.arange(t)
+    visible = stick_breaking_kernel.visible_keys(visible, index, index, stick.attend_current)
+    return stick_breaking_kernel.weights(logits, visible), visible
   logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
   return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), visible
 
 
 def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score_params=(),
            inputs=None, mask=CAUSAL, segments_BxT=None, backend="auto", block_size=128,
-           backends=BACKENDS, sink_queries=None):
+           backends=BACKENDS, sink_queries=None, normaliser="softmax"):
   """softmax(score_mod(scale q k^T), mask) v of a sequence to itself; see the module docstring.
 
   scale defaults to 1/sqrt(H); inputs to the positions 0..T-1; `backends` are those the caller
   allows `auto` to pick from; sink_queries (`SinkQueries`) give the sink pairs their own queries
-  and score inputs (StreamingLLM's cache positions)."""
+  and score inputs (StreamingLLM's cache positions); normaliser "stickbreaking" takes
+  stick-breaking weights instead of the softmax (see the module docstring)."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads, width = k_BxTxKxH.shape[2], v_BxTxKxV.shape[-1]
   if n % kv_heads:
@@ -240,6 +259,12 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
   inputs = _default_inputs(inputs, t)
   sink_queries = _with_sinks(sink_queries, mask)
   with_sinks = sink_queries is not None
+  stick = stick_breaking_kernel.resolve(normaliser, mask)
+  if stick is not None:
+    return _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, scale=scale,
+                                  score_mod=score_mod, score_params=score_params, inputs=inputs,
+                                  mask=mask, segments_BxT=segments_BxT, backend=backend,
+                                  block_size=block_size, backends=backends)
   if backend == "auto":
     backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
                            value_dim=width, sink_queries=with_sinks)
@@ -262,4 +287,25 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
   probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
                            score_params=score_params, inputs=inputs, mask=mask,
                            segments_BxT=segments_BxT, sink_queries=sink_queries)
+  return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)
+
+
+def _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, *, scale, score_mod,
+                           score_params, inputs, mask, segments_BxT, backend, block_size,
+                           backends):
+  """`attend` with the stick-breaking normaliser: blockwise (its kernel), or xla (materialised);
+  `auto` picks between the two as for softmax."""
+  if backend == "auto":
+    backend = auto_backend(q_BxTxNxH.shape[1], tuple(b for b in backends if b != "cudnn"),
+                           q_BxTxNxH.dtype)
+  if backend not in ("xla", "blockwise"):
+    raise ValueError(f"attention backend {backend!r} cannot run stick-breaking attention; valid: "
+                     "'auto', 'xla' (materialised) or 'blockwise' (cuDNN has no such kernel)")
+  if backend == "blockwise":
+    return stick_breaking_kernel.blockwise_attention(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, block_size=block_size,
+        scale=scale, mask=mask, segments_BxT=segments_BxT, attend_current=stick.attend_current)
+  probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
+                           score_params=score_params, inputs=inputs, mask=mask,
+                           segments_BxT=segments_BxT, normaliser=stick)
   return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)

@@ -136,8 +136,8 @@ class SoftmaxAttention(base.Mixer):
     self.num_heads, self.num_kv_heads, self.head_dim, self.value_head_dim = n, k, h, v
     self.backend = model_config.attention_backend
     self.block_size = int(settings.block_size)
-    self.mask = masks.MaskSpec(window=int(settings.window), sinks=int(settings.sinks))
-    self.sink_positions = str(settings.sink_positions)
+    self.mask = self.mask_spec(settings)
+    self.sink_positions = str(settings.get("sink_positions", "original"))
     self.kv_cache = KVCache(k, self.mask)
     self.dtype = nn.compute_dtype(model_config)
     self.query = base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype)
@@ -145,7 +145,20 @@ class SoftmaxAttention(base.Mixer):
     self.value = base.head_projection(d, k, v, "kv_heads", rngs=rngs, dtype=self.dtype)
     self.out = base.output_projection(n, v, d, rngs=rngs, dtype=self.dtype)
 
-  # What a subclass changes: the projections, the score function's per-token inputs, the score.
+  # What a subclass changes: the mask, the projections, the score function's per-token inputs,
+  # the score.
+
+  @classmethod
+  def mask_spec(cls, settings):
+    """The keys each query sees (research.attention.masks.MaskSpec): the sliding window and sinks
+    of the settings (model.softmax), causal where the settings have neither."""
+    return masks.MaskSpec(window=int(settings.get("window", 0)),
+                          sinks=int(settings.get("sinks", 0)))
+
+  def sequence_mask(self, segments_BxL=None):
+    """The mask spec of a sequence (with these segments, or None): `mask`."""
+    del segments_BxL
+    return self.mask
 
   def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
     """(queries [B, T, N, H], the per-token arrays that the decode cache keeps: {"key": [B, T,
@@ -218,8 +231,9 @@ class SoftmaxAttention(base.Mixer):
     score_mod, params = self.score_mod()
     return core.attend(q_BxLxNxH, tokens["key"], tokens["value"], scale=self.scale(),
                        score_mod=score_mod, score_params=params,
-                       inputs=self.score_inputs(positions_BxL, tokens), mask=self.mask,
-                       segments_BxT=segments_BxL, backend=self.backend,
+                       inputs=self.score_inputs(positions_BxL, tokens),
+                       mask=self.sequence_mask(segments_BxL), segments_BxT=segments_BxL,
+                       backend=self.backend,
                        block_size=self.block_size, backends=self.backends,
                        sink_queries=sink_queries)
 
@@ -233,7 +247,7 @@ class SoftmaxAttention(base.Mixer):
     score_mod, params = self.score_mod()
     probs, visible = core.probabilities(
         q, tokens["key"], scale=self.scale(), score_mod=score_mod, score_params=params,
-        inputs=self.score_inputs(positions_BxL, tokens), mask=self.mask,
+        inputs=self.score_inputs(positions_BxL, tokens), mask=self.sequence_mask(segments_BxL),
         segments_BxT=segments_BxL,
         sink_queries=self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL))
     return probs, visible, tokens
