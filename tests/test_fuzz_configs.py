@@ -3,7 +3,7 @@ with a one-line error that writes nothing.
 
 Hypothesis draws a tiny config, then perturbs a few fields with valid, boundary and invalid values:
 the model's variants (every registry) and their own settings, the data, train, eval and mesh
-fields. `make test` runs FUZZ_EXAMPLES (default 3) examples; the seed is printed (FUZZ_SEED=N
+fields. `make test` runs FUZZ_EXAMPLES (default 2) examples; the seed is printed (FUZZ_SEED=N
 reproduces a run); a longer run is
 
   make fuzz            # FUZZ_EXAMPLES=300, about 15 minutes on 2 cores
@@ -28,7 +28,7 @@ from research.training import checks
 from research.training import loop as train
 from tests import tiny_config
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "2"))
 SEED = int(os.environ.get("FUZZ_SEED", random.randrange(2 ** 32)))
 
 # Fields of the data, train, eval and mesh sections, each with values to draw: valid, at the
