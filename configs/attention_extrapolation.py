@@ -7,7 +7,9 @@ Train at L = 128 bytes, evaluate perplexity at L..16L with non-overlapping and s
 research.attention.REGISTRY: each mixer that has attention weights (`has_attention_weights`)
 and is not a head-count variant of another (mqa, gqa) runs once, with RoPE where it applies a
 query/key scheme and with no position scheme otherwise (stick-breaking and FoX carry order in
-their weights), so a new softmax-family mixer joins with no edit here. The block sizes of the
+their weights), so a new softmax-family mixer joins with no edit here; so does MHA with each
+contextual position scheme (CoPE, which counts positions inside the mixer's rows, with its
+reference's table of L + 1 positions). The block sizes of the
 mixers that route or skip blocks are set from the training length L (`scaled_settings`), so that
 training already sees the pattern: MoBA in blocks of L/4 (top-3: each query its own block and 2
 of the earlier ones), the Sparse Transformer's fixed pattern in strides of L/2 with summaries
@@ -46,9 +48,17 @@ def softmax_family():
   return runs
 
 
+def contextual_schemes():
+  """(mha, position) for every position scheme that changes whole rows of logits (CoPE)."""
+  return [("mha", name) for name, cls in sorted(positions.REGISTRY.items())
+          if positions.CONTEXT in cls.hooks()]
+
+
 def scaled_settings(seq_len):
-  """{mixer: overrides} that put its blocks inside the training length (see the docstring)."""
-  return {"moba": {"model.moba.chunk_size": seq_len // 4, "model.moba.topk": 3},
+  """{mixer or position: overrides} that put its blocks inside the training length (see the
+  docstring), and CoPE's table at its reference's default (the training length + 1)."""
+  return {"cope": {"model.cope.max_positions": seq_len + 1},
+          "moba": {"model.moba.chunk_size": seq_len // 4, "model.moba.topk": 3},
           "sparse": {"model.sparse.pattern": "fixed", "model.sparse.stride": seq_len // 2,
                      "model.sparse.summary": seq_len // 8,
                      "model.sparse.block_size": seq_len // 8}}
@@ -57,6 +67,6 @@ def scaled_settings(seq_len):
 def get_sweep(preset="quick"):
   seeds = (0,) if preset == "quick" else (0, 1, 2)
   settings = scaled_settings(get_config(preset).train.seq_len)
-  pairs = [("mha", "rope"), ("mha", "alibi")] + softmax_family()
-  return [{"model.attention": a, "model.position": p, **settings.get(a, {}), "train.seed": seed}
-          for a, p in pairs for seed in seeds]
+  pairs = [("mha", "rope"), ("mha", "alibi")] + contextual_schemes() + softmax_family()
+  return [{"model.attention": a, "model.position": p, **settings.get(a, {}),
+           **settings.get(p, {}), "train.seed": seed} for a, p in pairs for seed in seeds]

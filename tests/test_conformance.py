@@ -19,6 +19,7 @@ from flax import nnx
 
 import research
 from research import attention, model as model_lib, positions, sharding
+from research.attention import core
 from research import feed_forward as feed_forward_lib
 from tests.conftest import tiny_model_config
 
@@ -53,6 +54,14 @@ def _applied_positions(index, mixer_cls):
           if not index or p == "none" or _applies(mixer_cls, p)]
 
 
+def _backends_for(position, backends):
+  """The mixer's backends that run the scheme: a contextual one (CoPE) needs whole rows of
+  logits, which blockwise does not give (research.attention.core.CONTEXTUAL_BACKENDS)."""
+  if positions.CONTEXT not in positions.REGISTRY[position].hooks():
+    return backends
+  return [b for b in backends if b in core.CONTEXTUAL_BACKENDS]
+
+
 def _variants():
   """The first mixer (mha) x every compatible scheme x CPU backend; every other mixer x `none` x
   CPU backend, and x one scheme per set of hooks it applies (the first registered: rope for qk,
@@ -69,7 +78,8 @@ def _variants():
       if index and hooks in seen_hooks:
         continue
       seen_hooks.add(hooks)
-      for backend in (backends if not index or position == "none" else backends[:1]):
+      runs_on = _backends_for(position, backends)
+      for backend in (runs_on if not index or position == "none" else runs_on[:1]):
         yield pytest.param(name, position, backend, None, "mlp",
                            id="-".join(x for x in (name, position, backend) if x))
   for name, position, backend, (window, sinks) in WINDOWED:
@@ -209,7 +219,8 @@ def test_every_registered_name_is_covered():
   embedding_only = {p for p, cls in positions.REGISTRY.items() if cls.hooks() == {positions.EMBED}}
   assert embedding_only <= {v.values[1] for v in VARIANTS if v.values[0] == first}
   blockwise = {v.values[1] for v in VARIANTS if v.values[2] == "blockwise"}
-  assert blockwise == set(positions.REGISTRY)  # every scheme through the blockwise score path
+  # Every scheme through the blockwise score path, but those it refuses (whole rows: CoPE).
+  assert blockwise == {p for p in positions.REGISTRY if _backends_for(p, ["blockwise"])}
 
 
 @pytest.mark.parametrize("name", list(attention.REGISTRY))

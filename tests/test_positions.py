@@ -256,6 +256,7 @@ def test_hooks_are_read_off_the_overridden_methods():
   assert hooks["none"] == set() and hooks["sinusoidal"] == {"embed"}
   assert hooks["learned"] == {"embed"} and hooks["rope"] == hooks["xpos"] == {"qk"}
   assert hooks["alibi"] == hooks["t5"] == hooks["kerple"] == hooks["fire"] == {"bias"}
+  assert hooks["cope"] == {"context"}
 
 
 @pytest.mark.parametrize("settings,message", [

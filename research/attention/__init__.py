@@ -18,8 +18,11 @@ from research.attention.linear import LinearAttention
 from research.attention.mamba2 import Mamba2
 from research.attention.mla import MultiHeadLatentAttention
 from research.attention.moba import MoBA
+from research.attention.nsa import NativeSparseAttention
+from research.attention.path import PaTHAttention
 from research.attention.retention import Retention
 from research.attention.rwkv6 import RWKV6
+from research.attention.rwkv7 import RWKV7
 from research.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
 from research.attention.sparse import SparseAttention
 from research.attention.ssm import Mamba
@@ -47,3 +50,6 @@ REGISTRY.register("mla", MultiHeadLatentAttention)
 REGISTRY.register("sparse", SparseAttention)
 REGISTRY.register("stickbreaking", StickBreakingAttention)
 REGISTRY.register("moba", MoBA)
+REGISTRY.register("rwkv7", RWKV7)
+REGISTRY.register("nsa", NativeSparseAttention)
+REGISTRY.register("path", PaTHAttention)

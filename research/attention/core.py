@@ -16,7 +16,10 @@ function in research.attention.kv_cache). Query head n reads key/value head n //
   KERPLE, FIRE; FoX's forget gates) and/or any `modify(logits_BxNxTxS, params, q_inputs,
   k_inputs) -> logits`. `inputs` is a pytree of per-token arrays [B | 1, T, ...] (by default
   the positions 0..T-1, [1, T]); the core cuts it into the query and key rows of each tile, and
-  the gradients reach `score_params` and the floating-point leaves of `inputs`.
+  the gradients reach `score_params` and the floating-point leaves of `inputs`. A `contextual`
+  change sees each query's whole row of masked logits and the query vector (CoPE,
+  arXiv:2405.18719: positions counted by gates over the row); it needs whole rows, so xla and
+  the decode cache run it and blockwise refuses it.
 * `mask` (research.attention.masks.MaskSpec) declares the visible keys: causal, a sliding window
   with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
   attention within a document.
@@ -64,6 +67,8 @@ from research.attention.blockwise import blockwise
 from research.attention.masks import CAUSAL, MaskSpec  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "xla", "blockwise", "cudnn")
+# The backends that run a contextual score (ScoreMod.contextual: whole rows of logits).
+CONTEXTUAL_BACKENDS = ("auto", "xla")
 # What turns the logits into attention weights (`normaliser` of attend and probabilities).
 NORMALISERS = ("softmax", stick_breaking_kernel.NAME)
 # `auto`: blockwise from this length on. Measured fwd+bwd on a 2-core CPU (mixers suite: batch 1,
@@ -86,10 +91,20 @@ class ScoreMod:
   """
   bias: Optional[Callable] = None
   modify: Optional[Callable] = None
+  # contextual(logits [B, N, T, S] float32, the invisible keys at finfo.min, params,
+  # q [B, T, N, H]) -> logits: a function of each query's whole row of visible logits, in key
+  # order, and of the query itself (CoPE's contextual positions, arXiv:2405.18719), applied after
+  # bias and modify. It needs whole rows: xla and the decode cache run it, blockwise (a row tile
+  # by tile) and cudnn refuse it.
+  contextual: Optional[Callable] = None
 
   @property
   def additive(self) -> bool:
-    return self.modify is None
+    return self.modify is None and self.contextual is None
+
+  @property
+  def rowwise(self) -> bool:
+    return self.contextual is not None
 
   def apply(self, logits_BxNxTxS, params, q_inputs, k_inputs):
     if self.bias is not None:
@@ -135,6 +150,10 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
       reasons.append("'cudnn' takes an additive bias only, not a score `modify` function")
     if value_dim is not None and head_dim is not None and value_dim != head_dim:
       reasons.append(f"'cudnn' needs values as wide as keys, got {value_dim} != {head_dim}")
+  elif backend == "blockwise":
+    if score_mod is not None and score_mod.rowwise:
+      reasons.append("'blockwise' visits each query's keys tile by tile, but a contextual score "
+                     "(CoPE) needs the whole row at once: use 'xla' (or 'auto')")
   elif backend not in BACKENDS:
     reasons.append(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
   return reasons
@@ -148,6 +167,8 @@ def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=
   the [length, length] scores outweighs the loop's overheads; xla on other devices (set
   blockwise there explicitly for O(length) memory)."""
   platform = platform or jax.default_backend()
+  if score_mod is not None and score_mod.rowwise:
+    return "xla"  # the only backend with whole rows
   if "cudnn" in backends and not refusals("cudnn", score_mod=score_mod, head_dim=head_dim,
                                           value_dim=value_dim, dtype=compute_dtype,
                                           platform=platform, sink_queries=sink_queries):
@@ -235,11 +256,24 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
                           inputs, sink_queries, mask, segments_BxT)
   visible = _visible(mask, t, segments_BxT)
   if stick is not None:
+    if score_mod is not None and score_mod.rowwise:
+      raise ValueError("a contextual score (CoPE) takes the softmax normaliser, not stick-breaking")
     index = jnp.arange(t)
     visible = stick_breaking_kernel.visible_keys(visible, index, index, stick.attend_current)
     return stick_breaking_kernel.weights(logits, visible), visible
-  logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
+  logits = masked_logits(logits, visible, score_mod, score_params, q_BxTxNxH)
   return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), visible
+
+
+def masked_logits(logits_BxNxTxS, visible, score_mod, score_params, q_BxTxNxH,
+                  masked=jnp.finfo(jnp.float32).min):
+  """The logits with the invisible keys at `masked`, and score_mod's contextual change (if any)
+  of each query's row; the rows are whole and their keys in order."""
+  logits_BxNxTxS = jnp.where(visible, logits_BxNxTxS, masked)
+  if score_mod is None or score_mod.contextual is None:
+    return logits_BxNxTxS
+  changed = score_mod.contextual(logits_BxNxTxS, score_params, q_BxTxNxH)
+  return jnp.where(visible, changed.astype(jnp.float32), masked)
 
 
 def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score_params=(),

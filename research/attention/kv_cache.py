@@ -55,7 +55,9 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
   operand contracted over S (asked for [.., T, S] logits, XLA swaps the operands and copies all
   of k transposed at every decode step, and v as well). The softmax then runs over the last
   axis, [B K, G, T, S], where XLA:CPU reduces at memory speed. The scale multiplies q, not the
-  logits (a copy of them at every step). A score `modify` sees the logits as [B, N, T, S]."""
+  logits (a copy of them at every step). A score `modify` sees the logits as [B, N, T, S]; a
+  `contextual` one (CoPE) the row over all parts, which must then be in token order (the full
+  layout's one part)."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads = parts[0][0].shape[0] // b
   group = n // kv_heads
@@ -89,7 +91,7 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
   q_XxGxTxH = grouped(q_BxTxNxH) * scale
   sink_q_XxGxTxH = (None if sink_queries is None or sink_queries.q is None
                     else grouped(sink_queries.q) * scale)
-  logits = []
+  logits, visible = [], []
   for k_XxSxH, _, q_inputs, k_inputs, mask, *sink_pairs in parts:
     raw = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH, preferred_element_type=jnp.float32)
     logits_XxSxGxT = modified(raw, q_inputs, k_inputs)
@@ -103,8 +105,16 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
       logits_XxSxGxT = jnp.concatenate(
           [jnp.where(keys_first(pairs), sinks, logits_XxSxGxT[:, :p]), logits_XxSxGxT[:, p:]],
           axis=1)
-    logits.append(jnp.where(keys_first(mask), logits_XxSxGxT, core.LARGE_NEGATIVE))
-  probs_XxGxTxS = jax.nn.softmax(jnp.moveaxis(jnp.concatenate(logits, axis=1), 1, -1), axis=-1)
+    visible.append(keys_first(mask))
+    logits.append(jnp.where(visible[-1], logits_XxSxGxT, core.LARGE_NEGATIVE))
+  logits_XxSxGxT = jnp.concatenate(logits, axis=1)
+  if score_mod is not None and score_mod.rowwise:  # the parts' keys are in token order
+    visible_XxSxGxT = jnp.concatenate(visible, axis=1)
+    changed = core.masked_logits(heads_and_queries_first(logits_XxSxGxT),
+                                 heads_and_queries_first(visible_XxSxGxT), score_mod,
+                                 score_params, q_BxTxNxH, core.LARGE_NEGATIVE)
+    logits_XxSxGxT = keys_first(changed)
+  probs_XxGxTxS = jax.nn.softmax(jnp.moveaxis(logits_XxSxGxT, 1, -1), axis=-1)
   splits = list(itertools.accumulate(part[0].shape[1] for part in parts[:-1]))
   out_XxGxTxV = sum(
       jnp.einsum("XGTS,XSH->XGTH", p.astype(part[1].dtype), part[1],

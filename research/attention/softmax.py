@@ -43,7 +43,7 @@ from research.attention import core
 from research.attention import masks
 from research.attention.kv_cache import KVCache
 from research import positions
-from research.positions import BIAS, QK
+from research.positions import BIAS, CONTEXT, QK
 
 BACKENDS = core.BACKENDS
 # model.softmax.sink_positions: the positions the sinks are seen at (see SoftmaxAttention).
@@ -123,10 +123,28 @@ class SoftmaxAttention(base.Mixer):
     if settings.block_size < 1:
       raise ValueError(f"model.softmax.block_size must be >= 1, got {settings.block_size}")
     masks.check_window(settings.window, settings.sinks)
+    cls._check_contextual(settings, model_config)
     if settings.sink_positions not in SINK_POSITIONS:
       raise ValueError(f"unknown model.softmax.sink_positions {settings.sink_positions!r}; valid: "
                        f"{', '.join(map(repr, SINK_POSITIONS))} (StreamingLLM's positions in the "
                        "rolling cache, or each token's own position)")
+
+  @classmethod
+  def _check_contextual(cls, settings, model_config):
+    """A contextual scheme (CoPE) reads whole rows of logits in key order: the xla backend and
+    the full decode cache have them, blockwise, cudnn and a sliding window's rolling cache not."""
+    scheme = positions.REGISTRY.lookup(model_config.position)
+    if CONTEXT not in scheme.hooks() & cls.position_hooks:
+      return
+    name = model_config.position
+    if model_config.attention_backend not in core.CONTEXTUAL_BACKENDS:
+      raise ValueError(f"model.position={name!r} needs each query's whole row of logits, which "
+                       f"attention_backend {model_config.attention_backend!r} does not give; "
+                       f"valid: {', '.join(map(repr, core.CONTEXTUAL_BACKENDS))}")
+    if settings.get("window", 0):
+      raise ValueError(f"model.position={name!r} counts positions over keys in token order, "
+                       "which the rolling cache of a sliding window does not keep: set "
+                       "model.softmax.window=0")
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     d, n, k = model_config.d_model, self.query_heads(model_config), self.kv_heads(model_config)
@@ -182,11 +200,15 @@ class SoftmaxAttention(base.Mixer):
     return position.bias(q_inputs, k_inputs)
 
   def score_mod(self):
-    """(core.ScoreMod, its parameters): score_bias as a function of the scheme's parameters."""
+    """(core.ScoreMod, its parameters): score_bias as a function of the scheme's parameters, and
+    the scheme's contextual change of the logits (CoPE) where this mixer applies it."""
     graphdef, params = nnx.split(self.position)
     bias = lambda p, q_inputs, k_inputs: self.score_bias(nnx.merge(graphdef, p), q_inputs,
                                                          k_inputs)
-    return core.ScoreMod(bias=bias), params
+    contextual = None
+    if CONTEXT in self.position.hooks() & self.position_hooks:
+      contextual = lambda logits, p, q: nnx.merge(graphdef, p).contextual(logits, q)
+    return core.ScoreMod(bias=bias, contextual=contextual), params
 
   def scale(self):
     return self.position.logit_scale() / self.head_dim ** 0.5
@@ -327,6 +349,8 @@ class SoftmaxAttention(base.Mixer):
 
 
 class MHA(SoftmaxAttention):
+  # mha, mqa and gqa also apply a contextual scheme (CoPE), on the xla backend.
+  position_hooks = frozenset({QK, BIAS, CONTEXT})
 
   @classmethod
   def kv_heads(cls, model_config):
@@ -334,6 +358,7 @@ class MHA(SoftmaxAttention):
 
 
 class MQA(SoftmaxAttention):
+  position_hooks = MHA.position_hooks
 
   @classmethod
   def kv_heads(cls, model_config):
@@ -341,6 +366,7 @@ class MQA(SoftmaxAttention):
 
 
 class GQA(SoftmaxAttention):
+  position_hooks = MHA.position_hooks
   reads_num_kv_heads = True
 
   @classmethod

@@ -6,7 +6,8 @@ The conformance suite, the xla == blockwise test, sweeps and tables enumerate th
 """
 
 from research.positions.alibi import ALiBi, alibi_slopes
-from research.positions.base import BIAS, EMBED, QK, Geometry, PositionScheme
+from research.positions.base import BIAS, CONTEXT, EMBED, QK, Geometry, PositionScheme
+from research.positions.cope import CoPE
 from research.positions.fire import FIRE
 from research.positions.kerple import KerpleLog
 from research.positions.learned import Learned
@@ -29,6 +30,7 @@ REGISTRY.register("kerple", KerpleLog)
 REGISTRY.register("fire", FIRE)
 REGISTRY.register("xpos", XPos)
 REGISTRY.register("prope", PartialRoPE)
+REGISTRY.register("cope", CoPE)
 
 
 def rotary(name: str) -> bool:

@@ -6,6 +6,10 @@
   bias(q_positions_BxT, k_positions_BxS)
                                       [B, N, T, S] float32 added to the attention logits, or None
   logit_scale()                       a softmax temperature on the logits (YaRN), 1 otherwise
+  contextual(logits_BxNxTxS, q_BxTxNxH)
+                                      the logits changed as a function of each query's whole
+                                      row of (masked) logits and of the query: CoPE's positions
+                                      counted by gates (research.attention.core.ScoreMod)
 
 A scheme is told its geometry by the mixer that uses it (`Geometry`: d_model, the heads and head
 dim of the queries and keys it acts on, how many of those dims rotate and at which frequencies,
@@ -29,7 +33,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-EMBED, QK, BIAS = "embed", "qk", "bias"
+EMBED, QK, BIAS, CONTEXT = "embed", "qk", "bias", "context"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +82,7 @@ class PositionScheme(nnx.Module):
 
   @classmethod
   def hooks(cls) -> frozenset:
-    """The hooks this scheme overrides: a subset of {embed, qk, bias}."""
+    """The hooks this scheme overrides: a subset of {embed, qk, bias, context}."""
     base = PositionScheme
     used = set()
     if cls.embedding is not base.embedding:
@@ -87,6 +91,8 @@ class PositionScheme(nnx.Module):
       used.add(QK)
     if cls.bias is not base.bias:
       used.add(BIAS)
+    if cls.contextual is not base.contextual:
+      used.add(CONTEXT)
     return frozenset(used)
 
   @classmethod
@@ -119,6 +125,12 @@ class PositionScheme(nnx.Module):
 
   def logit_scale(self):
     return 1.0
+
+  def contextual(self, logits_BxNxTxS, q_BxTxNxH):
+    """Each query's row of float32 logits, the invisible keys at a large negative value, keys in
+    token order, changed as a function of the row and the query [B, T, N, H]."""
+    del q_BxTxNxH
+    return logits_BxNxTxS
 
 
 def distance(q_positions_BxT, k_positions_BxS):

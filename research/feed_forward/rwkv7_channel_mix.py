@@ -1,0 +1,70 @@
+"""RWKV-7's channel mixing, the feed-forward block of RWKV-7 (Peng et al., arXiv:2503.14456), as
+the authors' RWKV-LM computes it (RWKV-v7/train_temp/src/model.py, RWKV_CMix_x070):
+  x_k = x + (x' - x) * mu_k          (x' the previous token, 0 at a document's start)
+  out = relu(x_k W_k)^2 W_v          W_k: D -> F, W_v: F -> D
+RWKV-6's (research/feed_forward/rwkv_channel_mix.py) also shifts a receptance stream and gates
+the output with sigmoid(x_r W_r); RWKV-7 drops both. The hidden width F is `hidden`, or with 0
+model.mlp_ratio * d_model, the lab's MLP width (the reference's is 4 D). Initialisation:
+mu_k = 1 - (i / D)^(rho1^4) for channel i, with the reference's rho1 = 1 - l / L at a depth the
+feed-forward is not told, taken as 1/2 (a middle layer, as research/attention/rwkv6.py); W_k
+orthogonal (generate_init_weight), W_v the lab's LeCun normal instead of the reference's zeros
+(which make a fresh block output 0). mu takes no weight decay, the kernels do. The decode state
+is the last token.
+
+Reference: BlinkDL/RWKV-LM@524481d5099b38d9bc8ef1e89209161b86c8011b, RWKV-v7/train_temp/src/
+model.py, RWKV_CMix_x070 (its commented "slow pytorch version"; the class in use runs the same
+computation in a CUDA kernel) and RWKV.generate_init_weight.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from research import nn
+from research.attention import rwkv6
+from research.feed_forward import base
+
+
+class RWKV7ChannelMix(base.FeedForward):
+  hyperparameters = {"hidden": 0}  # 0: model.mlp_ratio * d_model
+
+  @classmethod
+  def _hidden(cls, settings, model_config):
+    return int(settings["hidden"]) or int(model_config.mlp_ratio * model_config.d_model)
+
+  @classmethod
+  def validate(cls, settings, model_config):
+    if settings["hidden"] < 0:
+      raise ValueError(f"the RWKV-7 channel mix's hidden must be >= 1, or 0 for "
+                       f"model.mlp_ratio * d_model; got {settings['hidden']}")
+    if cls._hidden(settings, model_config) < 1:
+      raise ValueError(f"the RWKV-7 channel mix's hidden=0 takes model.mlp_ratio * d_model = "
+                       f"{model_config.mlp_ratio} * {model_config.d_model} < 1; set hidden >= 1 "
+                       f"or model.mlp_ratio >= 1")
+
+  def __init__(self, model_config, settings, *, rngs):
+    self.validate(settings, model_config)
+    d, f = model_config.d_model, self._hidden(settings, model_config)
+    self.d_model = d
+    self.dtype = dtype = nn.compute_dtype(model_config)
+    power = (1.0 - rwkv6.DEPTH_RATIO) ** 4
+    self.mix_k = nn.param(rwkv6.mix_coefficients(d, power), ("embed",), weight_decay=False)
+    self.key = nn.dense("BLD,DF->BLF", (d, f), ("embed", "mlp"), rngs=rngs, dtype=dtype,
+                        init=nnx.initializers.orthogonal())
+    self.value = nn.dense("BLF,FD->BLD", (f, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
+
+  def _mix(self, x_BxTxD, last_BxD, segments_BxT=None):
+    previous, last = rwkv6.token_shift(x_BxTxD, last_BxD, segments_BxT)
+    x_k = x_BxTxD + (previous - x_BxTxD) * self.mix_k[...].astype(x_BxTxD.dtype)
+    return self.value(jnp.square(jax.nn.relu(self.key(x_k)))), last
+
+  def __call__(self, x_BxLxD, segments_BxL=None):
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
+
+  def init_cache(self, batch_size, max_length):
+    del max_length  # the last token only
+    return jnp.zeros((batch_size, self.d_model), self.dtype)
+
+  def decode(self, x_BxTxD, cache, index):
+    del index
+    return self._mix(x_BxTxD, cache)
