@@ -1,19 +1,20 @@
-"""Softmax-family mixers for length extrapolation: every registered mixer with attention
-weights (differential, latent, sparse, block-routed, stick-breaking attention, FoX, ...) beside
-MHA with RoPE and with ALiBi, byte LM.
+"""Softmax-family mixers for length extrapolation: every registered mixer with a KV cache
+(differential, latent, sparse, block-routed, natively sparse, stick-breaking and PaTH attention,
+FoX, ...) beside MHA with RoPE, with ALiBi and with CoPE, byte LM.
 
 Train at L = 128 bytes, evaluate perplexity at L..16L with non-overlapping and sliding windows
 (the protocol and presets of configs/lm_extrapolation.py). The sweep enumerates
-research.attention.REGISTRY: each mixer that has attention weights (`has_attention_weights`)
-and is not a head-count variant of another (mqa, gqa) runs once, with RoPE where it applies a
+research.attention.REGISTRY: each mixer whose decode cache grows with the context (not
+recurrent, `cache_bytes_per_token`) and is not a head-count variant of another (mqa, gqa) runs
+once, with RoPE where it applies a
 query/key scheme and with no position scheme otherwise (stick-breaking and FoX carry order in
 their weights), so a new softmax-family mixer joins with no edit here; so does MHA with each
 contextual position scheme (CoPE, which counts positions inside the mixer's rows, with its
 reference's table of L + 1 positions). The block sizes of the
 mixers that route or skip blocks are set from the training length L (`scaled_settings`), so that
 training already sees the pattern: MoBA in blocks of L/4 (top-3: each query its own block and 2
-of the earlier ones), the Sparse Transformer's fixed pattern in strides of L/2 with summaries
-and tiles of L/8.
+of the earlier ones), NSA in blocks of L/8 with 3 selected and a window of L/4, the Sparse
+Transformer's fixed pattern in strides of L/2 with summaries and tiles of L/8.
 
   python -m experiments.run --config=configs/attention_extrapolation.py:quick --workdir=runs/attention
       2 layers, d_model 128, one seed: about 2 minutes a run on 2 CPU cores.
@@ -38,11 +39,13 @@ def get_config(preset="quick"):
 
 
 def softmax_family():
-  """(mixer, position) for every registered mixer with attention weights but MHA and its
-  head-count variants: RoPE where the mixer rotates queries and keys, else none."""
-  runs = []
+  """(mixer, position) for every registered mixer with a KV cache that grows with the context
+  (not recurrent) but MHA and its head-count variants: RoPE where the mixer rotates queries and
+  keys, else none."""
+  runs, model = [], base.get_config().model
   for name, cls in sorted(attention.REGISTRY.items()):
-    if not cls.has_attention_weights or name == "mha" or attention.REGISTRY.variant_of(name):
+    grows = not cls.recurrent and cls.cache_bytes_per_token(model) is not None
+    if not grows or name == "mha" or attention.REGISTRY.variant_of(name):
       continue
     runs.append((name, "rope" if positions.QK in cls.position_hooks else "none"))
   return runs
@@ -59,6 +62,8 @@ def scaled_settings(seq_len):
   docstring), and CoPE's table at its reference's default (the training length + 1)."""
   return {"cope": {"model.cope.max_positions": seq_len + 1},
           "moba": {"model.moba.chunk_size": seq_len // 4, "model.moba.topk": 3},
+          "nsa": {"model.nsa.block_size": seq_len // 8, "model.nsa.num_selected": 3,
+                  "model.nsa.window": seq_len // 4},
           "sparse": {"model.sparse.pattern": "fixed", "model.sparse.stride": seq_len // 2,
                      "model.sparse.summary": seq_len // 8,
                      "model.sparse.block_size": seq_len // 8}}

@@ -57,6 +57,12 @@ def get_config():
   d.needle_value_digits = 5  # needle tasks: digits of the pass key / magic numbers
   d.num_distractors = 3  # needle_multikey: needles of other keys
   d.num_values = 4  # needle_multivalue: values of the asked key
+  # MAD tasks (research.data.mad; defaults: mad-lab's baselines), each read only by its task:
+  d.mad_frac_noise = 0.2  # mad_noisy_in_context_recall: probability a pair is noise
+  d.mad_noise_vocab_size = 16  # mad_noisy_in_context_recall: noise ids, the last of the vocab
+  d.mad_k_motif_size = 3  # mad_fuzzy_in_context_recall: longest key motif
+  d.mad_v_motif_size = 3  # mad_fuzzy_in_context_recall: longest value motif
+  d.mad_num_tokens_to_copy = 16  # mad_selective_copying
   # Language modeling: "concat" cuts training and evaluation windows from the token stream across
   # document boundaries; "documents" adds per-token segment ids and positions so that a token
   # sees only its own document, and leaves END_OF_DOCUMENT unscored (research/data/packing.py).

@@ -4,6 +4,7 @@ import csv
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -105,6 +106,22 @@ def test_a_different_config_in_the_same_workdir_is_refused(finished_sweep):
   with pytest.raises(ValueError, match="holds a sweep of a different config .model.d_model: 32 -> "
                                        "64; train.num_steps: 4 -> 5"):
     sweep.check_sweep_workdir(workdir, config, members)
+
+
+def test_a_sweep_may_gain_members_but_not_lose_them(finished_sweep):
+  """A variant registered since the sweep ran joins it in the same workdir; a member gone is
+  refused (its finished run would be left out of the results unseen)."""
+  workdir, members = finished_sweep
+  config = tiny_sweep.get_config()
+  with pytest.raises(ValueError, match=re.escape(f"(members removed: {members[-1].name})")):
+    sweep.check_sweep_workdir(workdir, config, members[:-1])
+  record = os.path.join(workdir, "sweep.json")
+  saved = open(record).read()
+  gained = members + [sweep.Member(len(members), "attention=new", {}, config)]
+  sweep.check_sweep_workdir(workdir, config, gained)
+  assert json.loads(open(record).read())["members"][-1] == "attention=new"
+  with open(record, "w") as f:  # as the fixture left it, for the other tests
+    f.write(saved)
 
 
 def test_a_rerun_with_new_eval_lengths_evaluates_only_those(finished_sweep, tmp_path):

@@ -3,7 +3,7 @@
 the share of the keys attended?
 
   python -m research.bench.sparse [--length 8192] [--block-size 128] [--repeats 3]
-                                  [--moba-lengths 4096,8192,16384]
+                                  [--routed-lengths 4096,8192,16384]
 
 One kernel per mask, at [batch 1, length, 8 heads, head_dim 64] float32 (the mixers suite's
 reference shape, research/bench/mixers.py):
@@ -18,10 +18,13 @@ causal (query, key) pairs the pattern keeps. The last column, time / (density x 
 1 where the cost is proportional to the visited tiles; above 1, a fixed cost per call or per
 visited tile (the loop, the schedule's gathers) weighs more as the tiles get fewer.
 
-MoBA (`--moba-lengths`): at each length, the same shapes through MoBA's efficient form (its
-`blockwise` backend: the gates, the top-k routing, the own block and the routed blocks' tiles,
-merged by log-sum-exp) at its defaults, blocks of 512 and top-3, against full causal blockwise
-attention; its share of the keys attended is about 3 x 512 / ((L + 1) / 2).
+Routed attention (`--routed-lengths`): at each length, the same shapes through MoBA's efficient
+form (its `blockwise` backend: the gates, the top-k routing, the own block and the routed blocks'
+tiles, merged by log-sum-exp) at its defaults, blocks of 512 and top-3, and through NSA's three
+branches (research/attention/nsa.py `attend` on `blockwise`, gates 1, its output projection
+included) at its defaults, blocks of 64, 16 selected, a window of 512, against full causal
+blockwise attention; MoBA's share of the keys attended is about 3 x 512 / ((L + 1) / 2), NSA's
+about (16 x 64 + 512 + L / 64) / ((L + 1) / 2).
 """
 
 import argparse
@@ -30,7 +33,11 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from configs import base as config_base
+from research import attention
+from research import positions
 from research.attention import core
 from research.attention import masks
 from research.attention import moba
@@ -80,16 +87,45 @@ def moba_forward_backward(chunk=MOBA_CHUNK, topk=MOBA_TOPK, tile=BLOCK_SIZE):
   return jax.grad(loss, argnums=(0, 1, 2))
 
 
-def measure_moba(lengths, block=BLOCK_SIZE, repeats=REPEATS, dtype=jnp.float32):
-  """Per length: full causal blockwise attention and MoBA's efficient form, median fwd+bwd ms,
-  compiled temp bytes, and MoBA's time / causal time."""
+def nsa_forward_backward(tile=BLOCK_SIZE):
+  """grad of <NSA's gated branches, cotangent> w.r.t. q, k and v (its defaults, K = N heads, no
+  position scheme, the selected branch on `blockwise`)."""
+  config = config_base.get_config().model
+  config.update(dict(attention="nsa", position="none", d_model=HEADS * HEAD_DIM,
+                     num_heads=HEADS, num_kv_heads=HEADS, attention_backend="blockwise"))
+  config.nsa.tile_size = tile
+  cls = attention.REGISTRY["nsa"]
+  settings = attention.REGISTRY.settings("nsa", config)
+  scheme = positions.build(config, cls.position_geometry(settings, config), rngs=nnx.Rngs(0))
+  mixer = cls(settings, config, scheme, rngs=nnx.Rngs(0))
+
+  def loss(q, k, v, cotangent):
+    b, length, n, _ = q.shape
+    gates = jnp.ones((b, length, n, 3), jnp.float32)
+    out = mixer.attend(q, {"key": k, "value": v}, gates, jnp.arange(length)[None])
+    return jnp.vdot(out.astype(jnp.float32), cotangent.reshape(out.shape).astype(jnp.float32))
+
+  return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def routed_kernels():
+  """{label: fwd+bwd function} of the routed mixers at their defaults."""
+  nsa = attention.REGISTRY["nsa"].hyperparameters
+  return {f"moba C={MOBA_CHUNK} top-{MOBA_TOPK}": moba_forward_backward(),
+          f"nsa l={nsa['block_size']} n={nsa['num_selected']} w={nsa['window']}":
+              nsa_forward_backward()}
+
+
+def measure_routed(lengths, block=BLOCK_SIZE, repeats=REPEATS, dtype=jnp.float32):
+  """Per length: full causal blockwise attention, MoBA's efficient form and NSA, median fwd+bwd
+  ms, compiled temp bytes, and time / causal time."""
   rows = []
   for length in lengths:
     keys = jax.random.split(jax.random.key(length), 4)
     args = tuple(jax.random.normal(key, (BATCH, length, HEADS, HEAD_DIM), dtype) for key in keys)
     calls, memory = {}, {}
-    for kernel, fn in (("causal", forward_backward(masks.CAUSAL, block)),
-                       (f"moba C={MOBA_CHUNK} top-{MOBA_TOPK}", moba_forward_backward())):
+    for kernel, fn in {"causal": forward_backward(masks.CAUSAL, block),
+                       **routed_kernels()}.items():
       compiled = timing.compile_fn(fn, *args)
       calls[kernel] = lambda compiled=compiled: compiled(*args)
       memory[kernel] = timing.memory_bytes(compiled)
@@ -102,7 +138,7 @@ def measure_moba(lengths, block=BLOCK_SIZE, repeats=REPEATS, dtype=jnp.float32):
   return rows
 
 
-def moba_table(rows):
+def routed_table(rows):
   body = [[str(row["length"]), row["kernel"], f"{row['time_ms']:.1f}",
            f"{row['temp_bytes'] / report.MIB:.1f}", f"{row['relative']:.2f}"] for row in rows]
   return report.markdown_table(["length", "kernel", "fwd+bwd ms", "temp MiB",
@@ -158,8 +194,9 @@ def main(argv=None):
   parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="the tile b")
   parser.add_argument("--repeats", type=int, default=REPEATS,
                       help="timed rounds after the warm-up call (median)")
-  parser.add_argument("--moba-lengths", default="",
-                      help="comma-separated lengths for MoBA against causal attention (none: skip)")
+  parser.add_argument("--routed-lengths", default="",
+                      help="comma-separated lengths for MoBA and NSA against causal attention "
+                           "(none: skip)")
   args = parser.parse_args(argv)
   if args.length < 8 * args.block_size:
     parser.error(f"--length {args.length} is shorter than the largest pattern size "
@@ -174,13 +211,13 @@ def main(argv=None):
         "interleaved calls\n")
   rows = measure(args.length, args.block_size, args.repeats)
   print(table(rows))
-  if args.moba_lengths:
-    lengths = [int(x) for x in args.moba_lengths.split(",")]
-    print(f"\nMoBA's efficient form (blocks of {MOBA_CHUNK}, top-{MOBA_TOPK}) against causal "
-          "blockwise attention, the same shapes\n")
-    moba_rows = measure_moba(lengths, args.block_size, args.repeats)
-    print(moba_table(moba_rows))
-    rows = rows + moba_rows
+  if args.routed_lengths:
+    lengths = [int(x) for x in args.routed_lengths.split(",")]
+    print("\nMoBA's efficient form and NSA at their defaults against causal blockwise "
+          "attention, the same shapes\n")
+    routed_rows = measure_routed(lengths, args.block_size, args.repeats)
+    print(routed_table(routed_rows))
+    rows = rows + routed_rows
   return rows
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from research.data import corpus
+from research.data import mad
 from research.data import needles
 from research.data import tasks
 
@@ -55,17 +56,23 @@ class TaskConfig(tfds.core.BuilderConfig):
   eval_lengths: tuple[int, ...] = ()
   num_eval_examples: int = 0
   seed: int = 0
+  mad_settings: mad.Settings = mad.Settings()  # MAD tasks only
 
 
 def task_config(config):
   """The builder config of the synthetic task that `config` (a research config) asks for."""
   d, mqar = config.data, config.data.name == "mqar"
+  fixed_length = mqar or d.name in mad.TASKS  # examples of train.seq_len's size
   params = dict(
       task=d.name, num_symbols=d.task_vocab_size, num_kv_pairs=d.num_kv_pairs if mqar else 0,
-      train_min_length=0 if mqar else d.train_min_length,
-      train_max_length=0 if mqar else d.train_max_length, seq_len=config.train.seq_len,
+      train_min_length=0 if fixed_length else d.train_min_length,
+      train_max_length=0 if fixed_length else d.train_max_length, seq_len=config.train.seq_len,
       num_train_examples=d.num_train_examples, eval_lengths=tuple(sorted(set(config.eval.lengths))),
       num_eval_examples=d.num_eval_examples, seed=0)
+  if d.name in mad.TASKS:  # only MAD configs carry (and hash) their settings
+    params["mad_settings"] = mad.settings(config)
+    key = dict(params, mad_settings=dataclasses.asdict(params["mad_settings"]))
+    return TaskConfig(name=f"{d.name}_{_digest(key)}", **params)
   return TaskConfig(name=f"{d.name}_{_digest(params)}", **params)
 
 
@@ -105,7 +112,8 @@ class SyntheticTask(_NextTokenExamples):
         size = tasks.train_size(c.task, rng, c.train_min_length, c.train_max_length, c.seq_len)
       else:
         size = tasks.TASKS[c.task].size_for_length(length)
-      yield i, tasks.example(c.task, rng, size, c.num_symbols, c.num_kv_pairs, length)
+      yield i, tasks.example(c.task, rng, size, c.num_symbols, c.num_kv_pairs, length,
+                             c.mad_settings, train)
 
 
 @dataclasses.dataclass(eq=False)

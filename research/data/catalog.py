@@ -1,7 +1,8 @@
 """The datasets `config.data.name` selects, and the TFDS builder behind each.
 
-- Synthetic tasks (research.data.tasks): copy, reverse, sort, induction, mqar, and the
-  algorithmic suite of research.data.algorithmic (parity_check, ..., bucket_sort).
+- Synthetic tasks (research.data.tasks): copy, reverse, sort, induction, mqar, the
+  algorithmic suite of research.data.algorithmic (parity_check, ..., bucket_sort) and MAD's six
+  tasks of research.data.mad (mad_in_context_recall, ..., mad_memorization).
 - Needle tasks (research.data.needles): passkey and RULER's needle_single, needle_multikey,
   needle_multivalue, byte level, evaluated at every eval length x eval depth.
 - Local byte corpora (research.data.corpus): stdlib_bytes, text_dir.

@@ -73,9 +73,12 @@ def train_batch(config, step, process_index=0, process_count=1):
   rng = np.random.default_rng((config.train.seed, step))
   if dataset.text_feature is None:
     tokens, mask = storage.example_arrays(dataset, data_dir, "train")
+    explicit_inputs = storage.example_inputs(dataset, data_dir, "train")  # MAD's non-shifted tasks
     chosen = rng.integers(0, len(tokens), batch_size)[rows]
     sequences = tokens[chosen].astype(np.int32)
-    return {"inputs": sequences[:, :-1], "targets": sequences[:, 1:],
+    inputs = sequences[:, :-1] if explicit_inputs is None else explicit_inputs[chosen].astype(
+        np.int32)
+    return {"inputs": inputs, "targets": sequences[:, 1:],
             "loss_mask": mask[chosen].astype(np.float32)}
   stream = storage.token_stream(dataset, data_dir, "train")
   starts = rng.integers(0, len(stream) - seq_len, batch_size)[rows]

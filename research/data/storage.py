@@ -9,8 +9,10 @@ END_OF_DOCUMENT, stored as little-endian uint16 in <data_dir>/streams/ (written 
 file, then renamed) and memory-mapped. A task's train split is likewise read once into two
 arrays in <data_dir>/examples/, each example's tokens (inputs then the last target, uint16) and
 its loss mask (uint8), so that a training batch is a memory-mapped gather rather than a TFDS
-decode per example. Data sources, streams and example arrays are cached per
-(dataset, data dir, split) for the life of the process.
+decode per example; a split whose targets are not its inputs shifted by one (MAD's selective
+copying, memorization, compression: research.data.mad) also gets an array of its inputs. Data
+sources, streams and example arrays are cached per (dataset, data dir, split) for the life of
+the process.
 """
 
 import fcntl
@@ -88,20 +90,36 @@ def _temporary_path(path):
   return tmp
 
 
+def _inputs_path(tokens_path):
+  return tokens_path.replace(".tokens.npy", ".inputs.npy")
+
+
 def _write_example_arrays(examples, tokens_path, mask_path):
-  """Writes every example's tokens and mask; the mask file, renamed last, marks completion."""
+  """Writes every example's tokens and mask, and its inputs if some example's targets are not
+  its inputs shifted by one; the mask file, renamed last, marks completion."""
   first = examples[0]
   shape = (len(examples), first["inputs"].size)
   tmp_tokens, tmp_mask = _temporary_path(tokens_path), _temporary_path(mask_path)
+  tmp_inputs = _temporary_path(_inputs_path(tokens_path))
   tokens = np.lib.format.open_memmap(tmp_tokens, "w+", STREAM_DTYPE, (shape[0], shape[1] + 1))
   mask = np.lib.format.open_memmap(tmp_mask, "w+", np.uint8, shape)
+  inputs = np.lib.format.open_memmap(tmp_inputs, "w+", STREAM_DTYPE, shape)
+  shifted = True
   for start in range(0, shape[0], _READ_CHUNK):
     chunk = examples.__getitems__(range(start, min(start + _READ_CHUNK, shape[0])))
     rows = slice(start, start + len(chunk))
-    tokens[rows, 0] = [example["inputs"][0] for example in chunk]
+    inputs[rows] = np.stack([example["inputs"] for example in chunk])
+    tokens[rows, 0] = inputs[rows, 0]
     tokens[rows, 1:] = np.stack([example["targets"] for example in chunk])
+    shifted = shifted and np.array_equal(inputs[rows, 1:], tokens[rows, 1:-1])
     mask[rows] = np.stack([example["loss_mask"] for example in chunk])
-  for array, tmp, path in ((tokens, tmp_tokens, tokens_path), (mask, tmp_mask, mask_path)):
+  written = [(tokens, tmp_tokens, tokens_path), (mask, tmp_mask, mask_path)]
+  if shifted:
+    del inputs
+    os.remove(tmp_inputs)
+  else:
+    written.insert(0, (inputs, tmp_inputs, _inputs_path(tokens_path)))
+  for array, tmp, path in written:
     array.flush()
     os.chmod(tmp, 0o644)  # mkstemp makes it private; the prepared data is shared
     os.replace(tmp, path)
@@ -109,7 +127,8 @@ def _write_example_arrays(examples, tokens_path, mask_path):
 
 def example_arrays(dataset, data_dir, split):
   """(tokens [N, L + 1] uint16, loss_mask [N, L] uint8) of a task split whose N examples all
-  have L inputs (inputs = tokens[:, :-1], targets = tokens[:, 1:]), read-only memory maps."""
+  have L inputs (inputs = tokens[:, :-1], targets = tokens[:, 1:], unless example_inputs gives
+  the inputs), read-only memory maps."""
   key = (dataset.tfds_name, data_dir, split)
   if key not in _EXAMPLES:
     directory = os.path.join(data_dir, "examples", dataset.tfds_name, dataset.version)
@@ -118,6 +137,17 @@ def example_arrays(dataset, data_dir, split):
     if not (os.path.exists(tokens_path) and os.path.exists(mask_path)):
       _write_example_arrays(source(dataset, data_dir, split), tokens_path, mask_path)
     _EXAMPLES[key] = (np.load(tokens_path, mmap_mode="r"), np.load(mask_path, mmap_mode="r"))
+  return _EXAMPLES[key]
+
+
+def example_inputs(dataset, data_dir, split):
+  """The inputs [N, L] (uint16, memory-mapped) of a task split whose targets are not its inputs
+  shifted by one; None for the others (inputs = tokens[:, :-1] of example_arrays)."""
+  tokens, _ = example_arrays(dataset, data_dir, split)
+  path = _inputs_path(tokens.filename)
+  key = (dataset.tfds_name, data_dir, split, "inputs")
+  if key not in _EXAMPLES:
+    _EXAMPLES[key] = np.load(path, mmap_mode="r") if os.path.exists(path) else None
   return _EXAMPLES[key]
 
 

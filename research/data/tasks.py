@@ -18,6 +18,9 @@ of symbols n, except for mqar where it is the number of inputs L.
   L inputs, which needs 4m <= L.
 - the algorithmic suite of arXiv:2207.02098 (research.data.algorithmic): x_1..x_n SEP y, and a
   final SEP after answers of variable length; scored: y and that SEP.
+- MAD's six tasks (arXiv:2403.17844, research.data.mad: mad_in_context_recall, ...): size is
+  mad-lab's seq_len; their generators give inputs, targets and scored explicitly (Task.mad), as
+  some answer at blank or insert tokens rather than at the next input, and read data.mad_*.
 """
 
 import dataclasses
@@ -26,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from research.data import algorithmic
+from research.data import mad
 from research.data import vocab as vocab_lib
 
 MQAR_POWER = 0.01
@@ -40,6 +44,9 @@ class Task:
   size_for_length: Callable[[int], int]  # largest size that fits in that many inputs
   min_size: int
   min_symbols: int = 2  # data.task_vocab_size must be at least this
+  # MAD tasks: generate is (rng, size, TaskVocab, mad.Settings, train) -> (inputs, targets,
+  # scored), one length each, and examples always have the size of train.seq_len
+  mad: bool = False
 
 
 def _answer_after_separator(transform):
@@ -108,17 +115,33 @@ TASKS = {
     "induction": Task(_induction, lambda n: 2 * n - 1, lambda l: (l + 1) // 2, 2),
     "mqar": Task(_mqar, lambda l: l, lambda l: l, 1),
     **{name: _algorithm_task(algorithm) for name, algorithm in algorithmic.SUITE.items()},
+    **{name: Task(t.generate, t.inputs_for_size, t.size_for_length, 2, 2, mad=True)
+       for name, t in mad.TASKS.items()},
 }
 
 
-def example(task, rng, size, num_symbols, num_kv_pairs, length):
+def example(task, rng, size, num_symbols, num_kv_pairs, length, mad_settings=None, train=False):
   """One example of `size` as inputs, targets (int32 [length]) and loss_mask (float32 [length]).
 
-  The sequence is right-padded with PAD to length + 1 tokens; padding has loss mask 0.
+  The sequence is right-padded with PAD to length + 1 tokens; padding has loss mask 0. MAD tasks
+  also take their mad.Settings and whether the example is for training (their recall tasks
+  score every next token in training, the recalled values otherwise).
   """
   vocab = vocab_lib.TaskVocab(num_symbols)
+  if TASKS[task].mad:
+    inputs, targets, scored = TASKS[task].generate(rng, size, vocab, mad_settings, train)
+    return explicit_example(inputs, targets, scored, length, vocab.pad)
   seq, scored = TASKS[task].generate(rng, size, vocab, num_kv_pairs)
   return next_token_example(seq, scored, length, vocab.pad)
+
+
+def explicit_example(inputs, targets, scored, length: int, pad: int) -> dict:
+  """inputs, targets, loss_mask = scored, right-padded with `pad` (loss mask 0) to `length`."""
+  padded = np.full((2, length), pad, np.int32)
+  padded[0, :inputs.size], padded[1, :targets.size] = inputs, targets
+  mask = np.zeros(length, np.float32)
+  mask[:scored.size] = scored
+  return {"inputs": padded[0], "targets": padded[1], "loss_mask": mask}
 
 
 def next_token_example(seq: np.ndarray, scored: np.ndarray, length: int, pad: int) -> dict:
@@ -133,7 +156,10 @@ def next_token_example(seq: np.ndarray, scored: np.ndarray, length: int, pad: in
 
 def train_size(task, rng, min_length, max_length, seq_len):
   """Size of one training example: U(min_length, max_length) symbols, at least the task's
-  minimum; mqar examples always have seq_len inputs (Zoology trains at one length)."""
+  minimum; mqar examples always have seq_len inputs (Zoology trains at one length), MAD's the
+  size of seq_len inputs."""
   if task == "mqar":
     return seq_len
+  if TASKS[task].mad:
+    return TASKS[task].size_for_length(seq_len)
   return int(rng.integers(max(min_length, TASKS[task].min_size), max_length + 1))

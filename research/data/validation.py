@@ -3,6 +3,7 @@
 from research.data import builders
 from research.data import catalog
 from research.data import corpus
+from research.data import mad
 from research.data import needles
 from research.data import packing
 from research.data import storage
@@ -118,6 +119,8 @@ def _task_problems(config):
   if num_symbols < task.min_symbols:
     problems.append(f"data.task_vocab_size={num_symbols} is too small for {d.name}, which uses "
                     f"{task.min_symbols} symbols; use data.task_vocab_size >= {task.min_symbols}")
+  if d.name in mad.TASKS:
+    return problems + mad.problems(config)
   if d.name == "mqar":
     m = d.num_kv_pairs
     lengths = [("train.seq_len", t.seq_len)] + [("eval.lengths", length) for length in e.lengths]

@@ -22,25 +22,12 @@ from flax import nnx
 
 from research import nn
 from research.attention import rwkv6
-from research.feed_forward import base
+from research.feed_forward import rwkv_channel_mix
 
 
-class RWKV7ChannelMix(base.FeedForward):
-  hyperparameters = {"hidden": 0}  # 0: model.mlp_ratio * d_model
-
-  @classmethod
-  def _hidden(cls, settings, model_config):
-    return int(settings["hidden"]) or int(model_config.mlp_ratio * model_config.d_model)
-
-  @classmethod
-  def validate(cls, settings, model_config):
-    if settings["hidden"] < 0:
-      raise ValueError(f"the RWKV-7 channel mix's hidden must be >= 1, or 0 for "
-                       f"model.mlp_ratio * d_model; got {settings['hidden']}")
-    if cls._hidden(settings, model_config) < 1:
-      raise ValueError(f"the RWKV-7 channel mix's hidden=0 takes model.mlp_ratio * d_model = "
-                       f"{model_config.mlp_ratio} * {model_config.d_model} < 1; set hidden >= 1 "
-                       f"or model.mlp_ratio >= 1")
+class RWKV7ChannelMix(rwkv_channel_mix.RWKVChannelMix):
+  """RWKV-6's channel mix without the receptance stream and gate; its settings, checks, decode
+  state and document resets."""
 
   def __init__(self, model_config, settings, *, rngs):
     self.validate(settings, model_config)
@@ -57,14 +44,3 @@ class RWKV7ChannelMix(base.FeedForward):
     previous, last = rwkv6.token_shift(x_BxTxD, last_BxD, segments_BxT)
     x_k = x_BxTxD + (previous - x_BxTxD) * self.mix_k[...].astype(x_BxTxD.dtype)
     return self.value(jnp.square(jax.nn.relu(self.key(x_k)))), last
-
-  def __call__(self, x_BxLxD, segments_BxL=None):
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
-
-  def init_cache(self, batch_size, max_length):
-    del max_length  # the last token only
-    return jnp.zeros((batch_size, self.d_model), self.dtype)
-
-  def decode(self, x_BxTxD, cache, index):
-    del index
-    return self._mix(x_BxTxD, cache)

@@ -113,16 +113,16 @@ def expand(sweep, base_config, num_devices):
 
 def check_sweep_workdir(workdir: str, base_config: ml_collections.ConfigDict,
                         members: list[Member]):
-  """Refuse a workdir that holds a sweep that trains differently (naming every difference);
-  record this sweep's config and members otherwise (evaluation settings may have changed)."""
+  """Refuse a workdir that holds a sweep that trains differently or lacks some of its members
+  (naming every difference); record this sweep's config and members otherwise (evaluation
+  settings may have changed, and members may have been added: a variant registered since, whose
+  runs join the finished ones)."""
   record = {"config": json.loads(base_config.to_json(sort_keys=True)),
             "members": [m.name for m in members]}
   if workdirs.is_sweep(workdir):
     saved = workdirs.sweep_record(workdir)
     differences = config_fields.training_differences(saved["config"], base_config)
-    added = [name for name in record["members"] if name not in saved["members"]]
     removed = [name for name in saved["members"] if name not in record["members"]]
-    differences += [f"members added: {', '.join(added)}"] if added else []
     differences += [f"members removed: {', '.join(removed)}"] if removed else []
     if differences:
       raise ValueError(f"workdir {workdir!r} holds a sweep of a different config "

@@ -26,6 +26,7 @@ from research import model as model_lib
 from research import positions
 from research import variants
 from research.data import catalog
+from research.data import mad
 
 
 def _used_variants(config) -> dict[str, str]:
@@ -51,7 +52,10 @@ def _rules(config) -> Iterator[tuple[str, bool, str]]:
   yield "data.corpus_path", name == "text_dir", "data.name=text_dir"
   yield "data.task_vocab_size", symbol_task, "the synthetic tasks"
   for field in ("train_min_length", "train_max_length"):
-    yield f"data.{field}", symbol_task and name != "mqar", "the synthetic tasks but mqar"
+    yield (f"data.{field}", symbol_task and name != "mqar" and name not in mad.TASKS,
+           "the synthetic tasks but mqar and MAD's")
+  for field, readers in mad.FIELD_READERS.items():
+    yield f"data.{field}", name in readers, f"data.name={'|'.join(readers)}"
   yield "data.num_kv_pairs", name == "mqar", "data.name=mqar"
   for field in ("num_train_examples", "num_eval_examples"):
     yield f"data.{field}", not language_modeling, "the synthetic and needle tasks"
