@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import base as config_base
 from research import attention
+from research import defaults
 from research import positions
 from research.attention import core
 from research.attention import masks
@@ -90,7 +90,7 @@ def moba_forward_backward(chunk=MOBA_CHUNK, topk=MOBA_TOPK, tile=BLOCK_SIZE):
 def nsa_forward_backward(tile=BLOCK_SIZE):
   """grad of <NSA's gated branches, cotangent> w.r.t. q, k and v (its defaults, K = N heads, no
   position scheme, the selected branch on `blockwise`)."""
-  config = config_base.get_config().model
+  config = defaults.get_config().model
   config.update(dict(attention="nsa", position="none", d_model=HEADS * HEAD_DIM,
                      num_heads=HEADS, num_kv_heads=HEADS, attention_backend="blockwise"))
   config.nsa.tile_size = tile
