@@ -121,6 +121,14 @@ class Mixer(nnx.Module):
     return nn.tree_bytes(nn.cache_shapes(self, batch_size, context_length))
 
 
+def check_kv_heads(num_heads, num_kv_heads):
+  """Raise ValueError, naming the valid counts, unless num_kv_heads divides num_heads (GQA)."""
+  if num_kv_heads < 1 or num_heads % num_kv_heads:
+    divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+    raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}; "
+                     f"valid: {divisors}")
+
+
 def states_entering_chunks(h0, decays, added, axis):
   """h_z = decays_z * h_{z-1} + added_z over the chunks z along `axis` of `added`, from h0 (the
   state entering chunk 0); `decays` has added's rank, with its chunk axis at `axis` too, and

@@ -152,10 +152,7 @@ class NativeSparseAttention(base.Mixer):
 
   @classmethod
   def validate(cls, settings, model_config):
-    heads, kv = model_config.num_heads, model_config.num_kv_heads
-    if kv < 1 or heads % kv:
-      divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-      raise ValueError(f"num_kv_heads={kv} does not divide num_heads={heads}; valid: {divisors}")
+    base.check_kv_heads(model_config.num_heads, model_config.num_kv_heads)
     backend = model_config.attention_backend
     if backend not in cls.backends:
       raise ValueError(f"attention 'nsa' does not run on attention_backend {backend!r} (its block "

@@ -176,10 +176,7 @@ class PaTHAttention(base.Mixer):
 
   @classmethod
   def validate(cls, settings, model_config):
-    heads, kv = model_config.num_heads, model_config.num_kv_heads
-    if kv < 1 or heads % kv:
-      divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-      raise ValueError(f"num_kv_heads={kv} does not divide num_heads={heads}; valid: {divisors}")
+    base.check_kv_heads(model_config.num_heads, model_config.num_kv_heads)
     if settings.chunk_size < 1:
       raise ValueError(f"model.path.chunk_size must be >= 1, got {settings.chunk_size}")
     for field in ("conv_width", "w_rank"):

@@ -107,10 +107,7 @@ class SoftmaxAttention(base.Mixer):
 
   @classmethod
   def validate(cls, settings, model_config):
-    heads, kv = cls.query_heads(model_config), cls.kv_heads(model_config)
-    if kv < 1 or heads % kv:
-      divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-      raise ValueError(f"num_kv_heads={kv} does not divide num_heads={heads}; valid: {divisors}")
+    base.check_kv_heads(cls.query_heads(model_config), cls.kv_heads(model_config))
     backend = model_config.attention_backend
     if backend not in cls.backends:
       raise ValueError(f"unknown model.attention_backend {backend!r}; valid: "
