@@ -20,14 +20,12 @@ per task, then over tasks).
       and 4 heads instead of 128 and 16; 120 steps of batch 64 instead of 200 epochs of 128
       (20,000 steps at 12,800 examples), from 4,096 training examples (memorization keeps its
       256, ~30 epochs instead of 200); 256 test examples instead of 1,280; gradients clipped
-      at the lab's 1.0. 42 runs. Time, estimated from single runs on 2 shared Intel Xeon
-      cores (2026-12-02), not measured as a whole sweep: 25-150 s per run by length and mixer
-      (memorization has 32 inputs, selective copying 256; MHA 45 s and RWKV-6 150 s at the
-      extremes), ~8 minutes per mixer: about 30 minutes with --parallel=2. It checks the
-      pipeline and separates mixers only coarsely: in those probes DeltaNet solved in-context
-      recall (1.000 at 200 steps with warmup), while MHA stayed at 0.30 after 120 steps (also
-      with 1 head, or 240 steps of 32) and RWKV-6 did not learn selective copying (0.14); the
-      protocol's 20,000 steps are what the tasks are sized for.
+      at the lab's 1.0. 42 runs: 19 min 13 s with --parallel=2 on 2 idle AMD EPYC cores
+      (2026-12-02; results in docs/results.md). It checks the pipeline and separates mixers
+      only coarsely: there DeltaNet and RWKV-6 solve in-context recall (0.98, 1.00) while MHA
+      stays at 0.30 (also with 1 head, or 240 steps of 32, in earlier probes), and no mixer
+      learns fuzzy recall or selective copying; the protocol's 20,000 steps are what the tasks
+      are sized for.
 
 What differs from mad-lab in both presets, by what this lab has:
   - no SwiGLU in research/feed_forward: model.feed_forward=mlp (GELU, mlp_ratio 4: 131k
