@@ -85,7 +85,27 @@ def mix_coefficients(d_model, power):
   return 1.0 - (jnp.arange(d_model, dtype=jnp.float32) / d_model) ** power
 
 
-class RWKV6(base.Mixer):
+class ShiftAndMatrixState(base.Mixer):
+  """The sequence, cache and decode methods of the RWKV time mixes: a decode state of the last
+  token (the token shift) and a [H, H] matrix per head, both carried by `_mix(x, cache,
+  segments) -> (y, cache)`, which a subclass defines (with num_heads, head_dim, dtype)."""
+
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    del positions_BxL  # order comes from the recurrence
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
+
+  def init_cache(self, batch_size, max_length):
+    del max_length  # the state has a fixed size
+    n, h = self.num_heads, self.head_dim
+    return {"shift": jnp.zeros((batch_size, n * h), self.dtype),
+            "state": jnp.zeros((batch_size, n, h, h), jnp.float32)}
+
+  def decode(self, x_BxTxD, cache, index):
+    del index
+    return self._mix(x_BxTxD, cache)
+
+
+class RWKV6(ShiftAndMatrixState):
   # Chunks of 32 in sub-chunks of 8: fwd+bwd at 4096 tokens (d_model 512, 8 heads) on a 2-core
   # CPU took the same time as 16 / 4 and 32 / 4 and 25% less than flash-linear-attention's
   # 64 / 16; the elementwise work per token and head grows as (c + C / c) H.
@@ -170,20 +190,6 @@ class RWKV6(base.Mixer):
                   * self.norm_scale[...] + self.norm_bias[...])
     return (self.out((normalised * g_BxTxNxH).astype(self.dtype)),
             {"shift": last, "state": state})
-
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
-
-  def init_cache(self, batch_size, max_length):
-    del max_length  # the state has a fixed size
-    n, h = self.num_heads, self.head_dim
-    return {"shift": jnp.zeros((batch_size, n * h), self.dtype),
-            "state": jnp.zeros((batch_size, n, h, h), jnp.float32)}
-
-  def decode(self, x_BxTxD, cache, index):
-    del index
-    return self._mix(x_BxTxD, cache)
 
   def mixing_flops_per_token(self, context_length):
     n, h = self.num_heads, self.head_dim

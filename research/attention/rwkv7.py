@@ -196,7 +196,7 @@ def lora_rank(setting, d_model, scale):
   return int(setting) or max(32, int(round(scale * d_model ** 0.5 / 32) * 32))
 
 
-class RWKV7(base.Mixer):
+class RWKV7(rwkv6.ShiftAndMatrixState):
   # Chunks of 32: fwd+bwd at 2048 tokens (d_model 256, 4 heads) on a shared 2-core CPU took the
   # time of chunks of 64, ~15% less than 16, ~25% less than rwkv6 at its defaults (noisy).
   hyperparameters = {"chunk_size": 32,  # tokens per chunk, <= 64 (MAX_CHUNK)
@@ -286,20 +286,6 @@ class RWKV7(base.Mixer):
          + self.norm_bias[...])
     o = o + jnp.sum(r * k * self.bonus[...], -1, keepdims=True) * v
     return self.out((o * g).astype(self.dtype)), {"shift": last, "state": state}
-
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
-
-  def init_cache(self, batch_size, max_length):
-    del max_length  # the state has a fixed size
-    n, h = self.num_heads, self.head_dim
-    return {"shift": jnp.zeros((batch_size, n * h), self.dtype),
-            "state": jnp.zeros((batch_size, n, h, h), jnp.float32)}
-
-  def decode(self, x_BxTxD, cache, index):
-    del index
-    return self._mix(x_BxTxD, cache)
 
   def mixing_flops_per_token(self, context_length):
     n, h = self.num_heads, self.head_dim
