@@ -27,9 +27,14 @@ per task, then over tasks).
       learns fuzzy recall or selective copying; the protocol's 20,000 steps are what the tasks
       are sized for.
 
+Blocks are mad-lab's: the mixer, then SwiGLU (model.feed_forward=swiglu: inner width
+int(8 D / 3) rounded up to 16, 352 at D = 128, no biases), each behind a pre-norm residual.
+Every run is evaluated on the validation and the test split (eval.splits); the sweep's
+directory then holds mad.md, MAD's score selected on test as mad-lab does and selected on
+validation beside it, with intervals, and mad_state.png, score against the decode state each
+mixer carries (research/results/mad_table.py).
+
 What differs from mad-lab in both presets, by what this lab has:
-  - no SwiGLU in research/feed_forward: model.feed_forward=mlp (GELU, mlp_ratio 4: 131k
-    parameters per block against SwiGLU's 135k at inner width 352);
   - training batches are drawn with replacement (research.data.pipeline) rather than epochs of
     the shuffled set; the cosine schedule is per step, not per epoch; gradients are clipped at
     train.grad_clip_norm (full: out of reach, 1e9, as mad-lab does not clip); float32 rather than
@@ -38,8 +43,6 @@ What differs from mad-lab in both presets, by what this lab has:
     class (macro);
   - compression is a decoder-only form, not mad-lab's autoencoder (research/data/mad.py says how,
     and that attention-like mixers are not bottlenecked by it).
-Selection: mad-lab picks the best (lr, wd) on its test set; this lab also has a validation split
-of the same size (eval at split=validation) to select on.
 """
 
 import math
@@ -72,7 +75,7 @@ def get_config(preset="quick"):
       num_eval_examples=QUICK_EVAL_EXAMPLES if quick else mad.NUM_TEST_EXAMPLES))
   config.model.update(dict(num_layers=2, d_model=QUICK_WIDTH if quick else 128,
                            num_heads=4 if quick else 16,
-                           feed_forward="mlp", mlp_ratio=4, vocab_size=16 + 2))
+                           feed_forward="swiglu", mlp_ratio=4, vocab_size=16 + 2))
   config.train.update(dict(seq_len=127, batch_size=QUICK_BATCH_SIZE if quick else BATCH_SIZE,
                            learning_rate=QUICK_LEARNING_RATE if quick else 1e-3,
                            weight_decay=0.0, warmup_steps=QUICK_WARMUP if quick else 0,
@@ -81,7 +84,8 @@ def get_config(preset="quick"):
                            grad_clip_norm=1.0 if quick else 1e9,
                            num_steps=QUICK_STEPS if quick else 20_000,
                            log_every=100, checkpoint_every=QUICK_STEPS if quick else 2000))
-  config.eval.update(dict(lengths=(127,), batch_size=64 if quick else 128))
+  config.eval.update(dict(lengths=(127,), batch_size=64 if quick else 128,
+                          splits=("validation", "test")))
   return config
 
 

@@ -118,6 +118,9 @@ def get_config():
   e.depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle tasks: where the needle sits, 0 first, 1 last
   e.bootstrap_samples = 1000  # resamples of the 95% intervals over windows / examples
   e.bootstrap_seed = 0
+  # Held-out splits evaluated, each a row: "validation" (the default; what summaries and figures
+  # show) and "test" (MAD's protocol selects on test; research/results/mad_table.py shows both).
+  e.splits = ("validation",)
   return config
 
 

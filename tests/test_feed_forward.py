@@ -116,3 +116,21 @@ def test_a_token_uses_its_top_k_experts_parameters():
   assert research.count_params(model) == research.count_params(dense) + (EXPERTS - 1) * expert + router
   assert (research.count_params(model, embeddings=False)
           == research.count_params(dense, embeddings=False) + (TOP_K - 1) * expert + router)
+
+
+def test_swiglu_is_the_gated_mlp_of_mad_lab_with_its_width_rule():
+  """y = W_down (silu(x W_gate) * x W_up), checked in numpy; hidden 0 gives mad-lab's
+  int(2 * 4 * D / 3) rounded up to 16 (352 at D = 128), an explicit hidden is kept."""
+  from research.feed_forward import swiglu  # noqa: PLC0415
+  rule = lambda d, **s: swiglu.SwiGLU.hidden_width(
+      {"hidden": 0, "multiple_of": 16, **s}, tiny_model_config(d_model=d, mlp_ratio=4))
+  assert (rule(128), rule(64), rule(32, hidden=50)) == (352, 176, 50)
+  config = tiny_model_config(feed_forward="swiglu")
+  layer = swiglu.SwiGLU(config, feed_forward.REGISTRY.settings("swiglu", config), rngs=nnx.Rngs(0))
+  x = np.asarray(jax.random.normal(jax.random.key(1), (2, 3, config.d_model)))
+  gate, up, down = (np.asarray(getattr(layer, name).kernel[...]) for name in ("gate", "up", "down"))
+  silu = lambda a: a / (1 + np.exp(-a))
+  np.testing.assert_allclose(layer(jnp.asarray(x)), (silu(x @ gate) * (x @ up)) @ down,
+                             atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="multiple_of must be >= 1"):
+    swiglu.SwiGLU.validate({"hidden": 0, "multiple_of": 0}, config)

@@ -3,6 +3,7 @@
 import csv
 import functools
 import json
+import itertools
 import os
 import re
 import shutil
@@ -207,10 +208,11 @@ def test_algorithmic_preset_follows_the_protocol(preset):
 
 
 def _fake_evaluations(config, member_index):
-  """eval.json rows as research.evaluation.extrapolation writes them, with made-up metrics."""
+  """eval.json rows as research.evaluation.extrapolation writes them, with made-up metrics (the
+  validation split's rows without a split, as rows written before splits were recorded)."""
   rows = []
   depths = data.eval_depths(config)
-  for length in config.eval.lengths:
+  for split, length in itertools.product(config.eval.splits, config.eval.lengths):
     for depth in depths + ((None,) if depths != (None,) else ()):
       at = 0.5 if depth is None else depth
       settings = {"step": config.train.num_steps, "eval_length": length,
@@ -220,9 +222,13 @@ def _fake_evaluations(config, member_index):
         settings["depths"] = list(depths)
       if depth is not None:
         settings["depth"] = depth
-      value = 0.9 - 0.1 * member_index - 0.3 * at * length / max(config.eval.lengths)
+      if split != "validation":
+        settings["split"] = split
+      value = (0.9 - 0.1 * member_index - 0.3 * at * length / max(config.eval.lengths)
+               - 0.05 * (split == "test"))
       metrics = {"loss": 1 - value, "perplexity": 3 - value, "accuracy": value,
                  "exact_match": value, "tokens": 80, "sequences": 16,
+                 "state_bytes": 64 * length * (member_index + 1),
                  "loss_by_position": [0.5] * length}
       for name in report.INTERVAL_METRICS:
         metrics[f"{name}_ci_low"] = metrics[name] - 0.05
@@ -233,7 +239,8 @@ def _fake_evaluations(config, member_index):
 
 @pytest.mark.parametrize("name,figures", [
     ("long_context", ("needle_heatmap.png", "lost_in_the_middle.png", "tasks.png")),
-    ("mqar", ("width.png",)), ("algorithmic", ("tasks.png",))])
+    ("mqar", ("width.png",)), ("algorithmic", ("tasks.png",)),
+    ("mad", ("tasks.png", "mad.md", "mad_state.png"))])
 def test_figures_and_summary_from_results_files(name, figures, tmp_path):
   module = sweep.load_module(os.path.join(ROOT, "configs", f"{name}.py"))
   members = _expand(name, "quick")
@@ -250,7 +257,7 @@ def test_figures_and_summary_from_results_files(name, figures, tmp_path):
   written = report.write(workdir)
   assert written.missing == []
   assert set(written.files) == {"results.csv", "summary.md", "extrapolation.png",
-                                "loss_by_position.png", *figures}
+                                "loss_by_position.png", "accuracy_vs_state.png", *figures}
   for file_name in written.files:
     assert os.path.getsize(os.path.join(workdir, file_name)) > 0, file_name
   with open(os.path.join(workdir, "results.csv")) as f:
@@ -266,6 +273,16 @@ def test_figures_and_summary_from_results_files(name, figures, tmp_path):
   else:
     assert "depth" not in open(os.path.join(workdir, "results.csv")).readline()
   assert "[" in summary.split("## nonoverlapping")[1]  # intervals in the main table
+  if name == "mad":  # both splits in results.csv; the summary shows validation, mad.md both
+    assert {row["split"] for row in rows} == {"validation", "test"}
+    mad = open(os.path.join(workdir, "mad.md")).read()
+    test_table = mad.split("## test-selected")[1].split("## validation-selected")[0]
+    # member 0 (mha, the first task): 0.9 - 0.3 / 2 on validation, 0.05 less on test; the
+    # members' validation values are 0.75, 0.65, 0.55 and their test values 0.70, 0.60, 0.50
+    assert "| mha / rope | 0.700 [0.650, 0.750] |" in test_table
+    main_table = summary.split("## nonoverlapping")[1]
+    assert "| 0.750 [" in main_table and not any(f"| {v} [" in main_table
+                                                 for v in ("0.700", "0.600", "0.500"))
 
 
 def test_lm_extrapolation_baselines_get_readable_distinct_labels(tmp_path):

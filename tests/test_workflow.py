@@ -44,10 +44,13 @@ def test_evaluate_a_trained_run_at_new_lengths_and_scalings_then_plot_it(trained
   assert result.returncode == 0, result.stderr[-3000:]
   rows = eval_results.read(workdir)
   assert rows[:4] == json.loads(json.dumps(first))  # kept as they were
-  assert sorted(eval_results.key(r)[1:4] for r in rows[4:]) == [
+  assert sorted(eval_results.key(r)[2:5] for r in rows[4:]) == [
       (32, "nonoverlapping", "yarn"), (128, "nonoverlapping", "none"),
       (128, "nonoverlapping", "yarn"), (128, "sliding", "none")]  # only what was new
   assert all(r["step"] == 8 for r in rows)
+  # the decode state per sequence: a KV cache, 4x the bytes at 4x the length
+  state = {r["eval_length"]: r["state_bytes"] for r in rows[4:]}
+  assert state[128] == 4 * state[32] > 0
   for name in ("extrapolation.png", "rope_scaling.png", "loss_by_position.png"):
     os.remove(os.path.join(workdir, name))
   result = _command("plot", f"--workdir={workdir}")

@@ -10,6 +10,7 @@ from research.data import storage
 from research.data import tasks
 
 EVAL_MODES = ("nonoverlapping", "sliding")
+EVAL_SPLITS = builders.EVAL_SPLITS  # what eval.splits may name
 
 
 def sliding_stride(config):
@@ -36,6 +37,9 @@ def _problems(config):
     problems.append(f"eval.lengths={tuple(e.lengths)} must be one or more positive lengths")
   if t.seed < 0:
     problems.append(f"train.seed={t.seed} must be >= 0")
+  if not e.splits or set(e.splits) - set(EVAL_SPLITS) or len(set(e.splits)) < len(e.splits):
+    problems.append(f"eval.splits={tuple(e.splits)} must be distinct held-out splits out of "
+                    f"{EVAL_SPLITS}")
   if (t.batch_size > 0 and config.distributed.coordinator_address
       and t.batch_size % config.distributed.num_processes):
     problems.append(f"train.batch_size={t.batch_size} is not divisible by "

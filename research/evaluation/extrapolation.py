@@ -1,8 +1,10 @@
 """Length extrapolation: evaluate a trained run at every eval length and mode, without retraining.
 
-For each length in config.eval.lengths and mode in config.eval.modes, one row with loss,
-perplexity, accuracy and exact match, their 95% bootstrap intervals (research.evaluation.evaluate),
-and the loss at each token position. Needle tasks get one row per depth in config.eval.depths, each
+For each held-out split in config.eval.splits, length in config.eval.lengths and mode in
+config.eval.modes, one row with loss, perplexity, accuracy and exact match, their 95% bootstrap
+intervals (research.evaluation.evaluate), the loss at each token position, and `state_bytes`: the
+decode state the model carries for one sequence of that length (model.cache_bytes: the KV cache of
+softmax attention, the fixed state of a recurrent mixer, over all layers). Needle tasks get one row per depth in config.eval.depths, each
 with
 its `depth`, and a row without a depth that pools every depth's examples; all of them record the
 evaluated `depths`. Runs with a rotary scheme (rope, xpos, prope) get extra rows for each scaling
@@ -19,6 +21,7 @@ writing and rotating checkpoints, and beside other evaluators.
 
 import copy
 import functools
+import itertools
 from typing import Callable
 
 import jax
@@ -65,15 +68,14 @@ def _plan(config, step):
     modes = ("nonoverlapping",)
     if scaling == "none" and language_modeling:
       modes = config.eval.modes
-    for length in config.eval.lengths:
-      for mode in modes:
-        settings = {"step": step, "eval_length": length, "eval_mode": mode,
-                    "rope_scaling": scaling,
-                    "num_tokens": config.eval.num_tokens if language_modeling else None,
-                    "sliding_stride": validation.sliding_stride(config) if mode == "sliding" else 0,
-                    "bootstrap_samples": config.eval.bootstrap_samples,
-                    "bootstrap_seed": config.eval.bootstrap_seed}
-        yield _row_settings(settings, data.eval_depths(config)), model_config_at(length)
+    for split, length, mode in itertools.product(config.eval.splits, config.eval.lengths, modes):
+      settings = {"step": step, "split": split, "eval_length": length, "eval_mode": mode,
+                  "rope_scaling": scaling,
+                  "num_tokens": config.eval.num_tokens if language_modeling else None,
+                  "sliding_stride": validation.sliding_stride(config) if mode == "sliding" else 0,
+                  "bootstrap_samples": config.eval.bootstrap_samples,
+                  "bootstrap_seed": config.eval.bootstrap_seed}
+      yield _row_settings(settings, data.eval_depths(config)), model_config_at(length)
 
 
 def _to_do(config, workdir, step):
@@ -82,10 +84,10 @@ def _to_do(config, workdir, step):
           if any(eval_results.key(s) not in done for s in rows.values())]
 
 
-def _row_sums(config, eval_step, params, mesh, length, mode, depths):
+def _row_sums(config, eval_step, params, mesh, split, length, mode, depths):
   """{depth: row sums} at every depth (one set for None: pooled over the depths)."""
   sums = {depth: evaluate.row_sums(eval_step, params,
-                                   data.eval_batches(config, length, mode, depth=depth), mesh,
+                                   data.eval_batches(config, length, mode, split, depth), mesh,
                                    config.eval.batch_size)
           for depth in [d for d in depths if d is not None] or [None]}
   if None not in sums:
@@ -110,22 +112,23 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
         lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0))))
     step, params = checkpoints.restore_params(
         workdir, sharding.sharded_abstract(abstract, mesh), log=progress)
-    eval_steps = {}  # one compiled step per (scaling, length)
+    eval_steps, state_bytes = {}, {}  # one compiled step (and state size) per (scaling, length)
     for row_settings, model_config in _to_do(config, workdir, step):
-      length, mode, scaling = (row_settings[None][k]
-                               for k in ("eval_length", "eval_mode", "rope_scaling"))
+      split, length, mode, scaling = (row_settings[None][k] for k in
+                                      ("split", "eval_length", "eval_mode", "rope_scaling"))
       if (scaling, length) not in eval_steps:
-        eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(nnx.eval_shape(
-            lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))))
-      sums = _row_sums(config, eval_steps[scaling, length], params, mesh, length, mode,
+        model_at = nnx.eval_shape(lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))
+        eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(model_at))
+        state_bytes[scaling, length] = model_at.cache_bytes(1, length)
+      sums = _row_sums(config, eval_steps[scaling, length], params, mesh, split, length, mode,
                        list(row_settings))
       new = []
       for depth, settings in row_settings.items():
         metrics = evaluate.metrics(sums[depth], config.eval.bootstrap_samples,
                                    config.eval.bootstrap_seed)
-        new.append({**settings, **metrics})
+        new.append({**settings, **metrics, "state_bytes": state_bytes[scaling, length]})
         at = "" if depth is None else f" depth {depth:<5}"
-        progress(f"  eval {length:>6} {mode:<15} rope_scaling={scaling:<11}{at} "
+        progress(f"  eval {split:<10} {length:>6} {mode:<15} rope_scaling={scaling:<11}{at} "
                  f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
                  f"acc {metrics['accuracy']:.3f}  exact {metrics['exact_match']:.3f}  "
                  f"(step {step})")

@@ -1,7 +1,7 @@
 """A run's evaluation results, RUN/eval.json: a list of rows, appended and never overwritten.
 
 A row holds the metrics of one evaluation and the settings that produced them, its key:
-the checkpoint step, the eval length, mode and RoPE scaling, the number of scored tokens
+the checkpoint step, the held-out split (eval.splits), the eval length, mode and RoPE scaling, the number of scored tokens
 (eval.num_tokens), the sliding-window stride (0 for non-overlapping windows), the bootstrap
 samples and seed of its intervals and, for a needle task, the evaluated depths and the row's
 depth (none on the row that pools them). Evaluating a run again computes only the settings it has
@@ -21,16 +21,25 @@ from typing import Iterable
 
 from research.runs import lock
 
-KEY = ("step", "eval_length", "eval_mode", "rope_scaling", "num_tokens", "sliding_stride",
+KEY = ("step", "split", "eval_length", "eval_mode", "rope_scaling", "num_tokens", "sliding_stride",
        "bootstrap_samples", "bootstrap_seed", "depths", "depth")
-POINT = ("eval_length", "eval_mode", "rope_scaling", "depth")  # what a figure plots one value for
+# what a figure plots one value for
+POINT = ("split", "eval_length", "eval_mode", "rope_scaling", "depth")
+DEFAULT_SPLIT = "validation"  # the split of rows written before rows recorded theirs
 FILE_NAME = "eval.json"
 
 
+def split(row: dict) -> str:
+  """The held-out split a row evaluated (eval.splits)."""
+  return row.get("split") or DEFAULT_SPLIT
+
+
 def key(row: dict) -> tuple:
-  """The settings of a row (None for settings that rows written before them do not record, and
-  for the depths of other tasks than needle tasks)."""
-  return tuple(tuple(value) if isinstance(value := row.get(name), list) else value for name in KEY)
+  """The settings of a row (None for settings that rows written before them do not record, but
+  the validation split, and for the depths of other tasks than needle tasks)."""
+  return tuple(split(row) if name == "split" else
+               tuple(value) if isinstance(value := row.get(name), list) else value
+               for name in KEY)
 
 
 def read(run_dir: str) -> list[dict]:
@@ -62,11 +71,11 @@ def append(run_dir: str, rows: Iterable[dict]) -> list[dict]:
 
 
 def latest(rows: Iterable[dict]) -> list[dict]:
-  """Per (run, eval length, mode, scaling, depth), the row of the newest step, the last one on a
+  """Per (run, split, eval length, mode, scaling, depth), the row of the newest step, the last one on a
   tie."""
   chosen = {}
   for row in rows:
-    point = (row.get("run"), *(row.get(name) for name in POINT))
+    point = (row.get("run"), *(split(row) if name == "split" else row.get(name) for name in POINT))
     if point not in chosen or (row.get("step") or 0) >= (chosen[point].get("step") or 0):
       chosen[point] = row
   return list(chosen.values())

@@ -11,6 +11,7 @@ from research.feed_forward.mlp import MLP
 from research.feed_forward.moe import MixtureOfExperts
 from research.feed_forward.rwkv_channel_mix import RWKVChannelMix
 from research.feed_forward.rwkv7_channel_mix import RWKV7ChannelMix
+from research.feed_forward.swiglu import SwiGLU
 from research.registry import Registry
 
 REGISTRY = Registry("feed-forward", "model.feed_forward")
@@ -18,3 +19,4 @@ REGISTRY.register("mlp", MLP)
 REGISTRY.register("moe", MixtureOfExperts)
 REGISTRY.register("rwkv_channel_mix", RWKVChannelMix)
 REGISTRY.register("rwkv7_channel_mix", RWKV7ChannelMix)
+REGISTRY.register("swiglu", SwiGLU)

@@ -20,7 +20,12 @@ saves them (`save`) as
                         task, one line per variant.
   width.png             a sweep over model.d_model (MQAR, Zoology arXiv:2312.04927 Figure 2): the
                         metric against width, one line per mixer.
-In the last three, points are means over seeds and error bars span the seeds' mean 95% bootstrap
+  accuracy_vs_state.png tasks: the metric against the decode state a run carries per sequence
+                        (KV cache or recurrent state, results rows' state_bytes), one line per
+                        mixer (Zoology Figure 3).
+  mad_state.png         MAD sweeps (research.results.mad_table): each mixer's score per task and
+                        overall against its state size.
+In the last four, points are means over seeds and error bars span the seeds' mean 95% bootstrap
 interval over evaluated examples (results.csv's `<metric>_ci_low` / `_ci_high`).
 Legends sit below the panels. A variant has the same colour in every panel.
 """
@@ -172,9 +177,26 @@ def _mean(rows, key):
   return float(np.mean([row[key] for row in rows]))
 
 
-def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log=False):
+def _bytes_label(value, _=None):
+  for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if value >= size:
+      return f"{value / size:g} {unit}"
+  return f"{value:g} B"
+
+
+def _state_axis(ax):
+  """A log axis of bytes, ticks at powers of 4 labelled in KiB / MiB."""
+  ax.set_xscale("log", base=2)
+  ax.xaxis.set_major_locator(ticker.LogLocator(base=4))
+  ax.xaxis.set_major_formatter(ticker.FuncFormatter(_bytes_label))
+  ax.xaxis.set_minor_locator(ticker.NullLocator())
+
+
+def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log=False,
+            x_axis=None):
   """One panel per panel_of(row), one line per line_of(row): the mean over seeds of `metric`
-  against x_of(row), error bars spanning the mean of the seeds' 95% intervals."""
+  against x_of(row), error bars spanning the mean of the seeds' 95% intervals. x_log: a log axis
+  ticked at every x; x_axis: a function that sets the x axis up instead."""
   cells = collections.defaultdict(list)
   for row in rows:
     cells[(panel_of(row), line_of(row), x_of(row))].append(row)
@@ -196,7 +218,9 @@ def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log
         error = [np.maximum(mean - low, 0), np.maximum(high - mean, 0)]
       ax.errorbar(xs, mean, yerr=error, marker="o", capsize=3, label=line_name(line),
                   color=colors[line])
-    if x_log:
+    if x_axis:
+      x_axis(ax)
+    elif x_log:
       ax.set_xscale("log", base=2)
       ticks = sorted({x for p, _, x in cells if p == panel})
       ax.set_xticks(ticks, [str(x) for x in ticks])
@@ -270,3 +294,41 @@ def width(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
                                                     if k not in mixer_keys]),
                  panel_of=_labeller(rows, leave_out=mixer_keys + ("model.d_model",)),
                  x_label="model width (d_model)", x_log=True)
+
+
+MIXER_KEYS = ("model.attention", "model.position", "model.layer_pattern")
+
+
+def accuracy_against_state(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
+  """`metric` against the decode state a run carries per sequence at the evaluated length
+  (results rows' state_bytes), one line per mixer through its widths or other sizes, one panel
+  per task and evaluation length: Zoology's Figure 3 (arXiv:2312.04927), MAD's iso-state view."""
+  other = [k for k in report.swept_keys(rows)
+           if k not in MIXER_KEYS and k.startswith(("data.", "train.seq_len"))]
+  task = _labeller(rows, leave_out=[k for k in report.swept_keys(rows) if k not in other])
+  return _panels(rows, metric, x_of=lambda row: row["state_bytes"],
+                 line_of=_labeller(rows, leave_out=[k for k in report.swept_keys(rows)
+                                                    if k not in MIXER_KEYS]),
+                 panel_of=lambda row: " ".join(filter(None, (task(row),
+                                                             f"length {row['eval_length']}"))),
+                 x_label="decode state per sequence (all layers)", x_axis=_state_axis)
+
+
+def score_against_state(panels: list[tuple[str, dict]]) -> matplotlib.figure.Figure:
+  """One panel per (title, {mixer: cell}): each mixer's score (cells with value, low, high and
+  state_bytes, as research.results.mad_table's) against its decode state per sequence."""
+  colors = _colors({mixer for _, cells in panels for mixer in cells})
+  fig, axes = _grid(len(panels))
+  for ax, (title, cells) in zip(axes, panels):
+    for mixer, cell in sorted(cells.items()):
+      ax.errorbar([cell.state_bytes], [cell.value], marker="o", capsize=3, label=mixer,
+                  color=colors[mixer], yerr=[[max(cell.value - cell.low, 0)],
+                                             [max(cell.high - cell.value, 0)]])
+    _state_axis(ax)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("decode state per sequence (all layers)")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+  _legend_below(fig, axes[-1])
+  return fig

@@ -1,17 +1,19 @@
 """Results files of a run or a sweep, from the runs' eval.json files alone: DIR/results.csv
 (tidy), DIR/summary.md and the figures (research.results.plots).
 
-results.csv has one row per run x evaluation (research.evaluation.results: checkpoint step x eval
-length x mode x RoPE scaling x evaluated text x needle depth), with the columns run, attention,
-position, seed, train_length, train_steps, step, eval_length, eval_mode, rope_scaling,
-num_tokens, sliding_stride, bootstrap_samples, bootstrap_seed, loss, perplexity, accuracy,
-exact_match, tokens and sequences (scored windows or examples), the 95% bootstrap interval of
+results.csv has one row per run x evaluation (research.evaluation.results: checkpoint step x
+split x eval length x mode x RoPE scaling x evaluated text x needle depth), with the columns run,
+attention, position, seed, train_length, train_steps, step, split, eval_length, eval_mode,
+rope_scaling, num_tokens, sliding_stride, bootstrap_samples, bootstrap_seed, loss, perplexity,
+accuracy, exact_match, tokens and sequences (scored windows or examples), state_bytes (the
+decode state per sequence at that length), the 95% bootstrap interval of
 each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...), and, in a sweep, one
 column per swept field: a field that changes training in which a run differs from the sweep's
 base config (its dotted name). Needle tasks add `depths` (those evaluated) and a row per needle
 depth, with its `depth`; their row with an empty depth pools every depth. summary.md and the
-figures show each run's latest rows (the newest checkpoint step); a run evaluated before its last
-step is labelled with the step.
+figures show each run's latest rows (the newest checkpoint step) of the validation split; a run
+evaluated before its last step is labelled with the step. A sweep of MAD tasks adds mad.md and
+mad_state.png (research.results.mad_table), which read the test split too.
 """
 
 import collections
@@ -23,6 +25,7 @@ from typing import NamedTuple
 from research.runs import config_fields
 from research import data
 from research.evaluation import results as eval_results
+from research.results import mad_table
 from research.results import sweep as sweep_lib
 from research.results.tables import (aggregate, cell, intervals, scaled_label, swept_keys,
                                      variant_label)
@@ -31,7 +34,7 @@ from research.runs import workdirs
 
 INTERVAL_METRICS = ("loss", "perplexity", "accuracy", "exact_match")
 CI_COLUMNS = tuple(f"{m}_ci_{end}" for m in INTERVAL_METRICS for end in ("low", "high"))
-METRIC_COLUMNS = INTERVAL_METRICS + ("tokens", "sequences") + CI_COLUMNS
+METRIC_COLUMNS = INTERVAL_METRICS + ("tokens", "sequences", "state_bytes") + CI_COLUMNS
 
 
 def _attention_label(config):
@@ -78,6 +81,7 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
              "position": config.model.position, "seed": config.train.seed,
              "train_length": config.train.seq_len, "train_steps": config.train.num_steps}
       row.update({k: cell(evaluation[k]) for k in eval_results.KEY if k in evaluation})
+      row["split"] = eval_results.split(evaluation)
       row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
       row.update({k: "" if unread.enclosing(k, skipped) else cell(flat[k]) for k in swept})
       row["loss_by_position"] = evaluation["loss_by_position"]
@@ -197,6 +201,10 @@ def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
       ("tasks.png", "data.name" in keys and not data.is_language_modeling(config),
        lambda: plots.task_panels(plain, metric)),
       ("width.png", "model.d_model" in keys, lambda: plots.width(plain, metric)),
+      ("accuracy_vs_state.png", not data.is_language_modeling(config) and len(
+          {row.get("state_bytes") for row in plain}) > 1 and all("state_bytes" in row
+                                                                  for row in plain),
+       lambda: plots.accuracy_against_state(plain, metric)),
   ]
   written = []
   for name, wanted, draw in figures:
@@ -210,8 +218,10 @@ def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
 def write(workdir: str) -> Written:
   """results.csv, summary.md and the figures of a run or sweep directory, from its runs'
   eval.json files."""
-  all_rows, not_done = collect(workdir)
-  all_rows = eval_results.latest(all_rows)
+  every_split, not_done = collect(workdir)
+  every_split = eval_results.latest(every_split)
+  # Summaries and figures show the validation split; MAD's table also reads the test split.
+  all_rows = [row for row in every_split if row["split"] == eval_results.DEFAULT_SPLIT]
   rows = [row for row in all_rows if row.get("depth") is None]  # one per run x length x mode
   depth_rows = [row for row in all_rows if row.get("depth") is not None]
   config = workdirs.base_config(workdir)
@@ -221,4 +231,6 @@ def write(workdir: str) -> Written:
   write_summary(os.path.join(workdir, "summary.md"), rows, not_done, metric, train_length,
                 depth_rows)
   figures = _write_figures(workdir, rows, depth_rows, config, metric, train_length) if rows else []
+  if mad_table.applies(every_split):
+    figures += mad_table.write(workdir, every_split, config.data.name)
   return Written(["results.csv", "summary.md", *figures], [name for name, _ in not_done])

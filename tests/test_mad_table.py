@@ -1,0 +1,88 @@
+"""MAD's score from results rows (research.results.mad_table): the best test accuracy over the
+(lr, wd) grid per task setting, averaged per task and over tasks (mad-lab's analysis), the
+validation-selected score beside it, their intervals, and the state figure."""
+
+import math
+import os
+
+import pytest
+
+from research.results import mad_table
+from research.results import plots
+
+GRID = [(1e-3, 0.0), (1e-4, 0.1)]
+
+
+def _row(mixer, task, examples, grid, split, accuracy, state_bytes):
+  lr, wd = grid
+  return {"run": f"{mixer}-{task}-{examples}-{lr}-{wd}", "attention": mixer, "step": 10,
+          "train_steps": 10, "split": split, "eval_length": 32, "rope_scaling": "none",
+          "model.attention": mixer, "data.name": task, "data.mad_num_train_examples": examples,
+          "train.learning_rate": lr, "train.weight_decay": wd, "model.vocab_size": 18,
+          "accuracy": accuracy, "accuracy_ci_low": accuracy - 0.02,
+          "accuracy_ci_high": accuracy + 0.02, "state_bytes": state_bytes}
+
+
+def _rows():
+  """mha on two tasks (recall with two settings), deltanet on both with one setting each; in
+  recall/128 the grid point that wins on validation is not the one that wins on test."""
+  rows = []
+  accuracies = {  # (mixer, task, examples): {grid point: (validation, test)}
+      ("mha", "mad_in_context_recall", 128): {GRID[0]: (0.9, 0.6), GRID[1]: (0.5, 0.8)},
+      ("mha", "mad_in_context_recall", 256): {GRID[0]: (0.4, 0.4), GRID[1]: (0.2, 0.2)},
+      ("mha", "mad_memorization", 256): {GRID[0]: (1.0, 1.0), GRID[1]: (0.9, 0.9)},
+      ("deltanet", "mad_in_context_recall", 128): {GRID[0]: (0.3, 0.3), GRID[1]: (0.7, 0.7)},
+      ("deltanet", "mad_memorization", 256): {GRID[0]: (0.5, 0.5), GRID[1]: (0.1, 0.1)},
+  }
+  for (mixer, task, examples), per_grid in accuracies.items():
+    for grid, (validation, test) in per_grid.items():
+      state = 4096 if mixer == "mha" else 512
+      rows.append(_row(mixer, task, examples, grid, "validation", validation, state))
+      rows.append(_row(mixer, task, examples, grid, "test", test, state))
+  return rows
+
+
+def test_test_selection_takes_the_best_test_point_and_validation_selection_scores_on_test():
+  scores = mad_table.scores(_rows(), "mad_in_context_recall")
+  test, validation = scores["test-selected"], scores["validation-selected"]
+  # mha recall: settings 128 -> max(0.6, 0.8), 256 -> 0.4; mean 0.6. By validation: 0.6 and 0.4.
+  assert test["mha"]["mad_in_context_recall"].value == pytest.approx(0.6)
+  assert validation["mha"]["mad_in_context_recall"].value == pytest.approx(0.5)
+  assert mad_table.overall(test["mha"]).value == pytest.approx((0.6 + 1.0) / 2)
+  assert mad_table.overall(validation["deltanet"]).value == pytest.approx((0.7 + 0.5) / 2)
+  # two independent settings of half-width 0.02: the mean's half-width is sqrt(2) 0.02 / 2
+  cell = test["mha"]["mad_in_context_recall"]
+  assert cell.high - cell.low == pytest.approx(math.sqrt(2) * 0.02)
+  assert cell.state_bytes == 4096
+
+
+def test_validation_rows_alone_give_the_selection_on_validation():
+  rows = [row for row in _rows() if row["split"] == "validation"]
+  scores = mad_table.scores(rows, "mad_in_context_recall")
+  assert list(scores) == ["validation"]
+  assert scores["validation"]["mha"]["mad_in_context_recall"].value == pytest.approx(0.65)
+
+
+def test_write_gives_the_table_ranked_by_score_and_the_state_figure(tmp_path):
+  written = mad_table.write(str(tmp_path), _rows(), "mad_in_context_recall")
+  assert written == ["mad.md", "mad_state.png"]
+  assert os.path.getsize(tmp_path / "mad_state.png") > 0
+  text = (tmp_path / "mad.md").read_text()
+  assert "## test-selected" in text and "## validation-selected" in text
+  table = text.split("## test-selected")[1].split("##")[0]
+  lines = [line for line in table.splitlines() if line.startswith("| ")]
+  assert lines[0].startswith("| mixer | in_context_recall | memorization | MAD score")
+  assert lines[1].startswith("| mha | 0.600") and lines[2].startswith("| deltanet | 0.700")
+
+
+def test_accuracy_against_state_draws_one_line_per_mixer_with_byte_ticks():
+  rows = [dict(row, eval_mode="nonoverlapping") for row in _rows()
+          if row["split"] == "validation" and row["data.name"] == "mad_memorization"]
+  figure = plots.accuracy_against_state(rows, "accuracy")
+  figure.canvas.draw()
+  ax = figure.axes[0]
+  labels = [t.get_text() for t in ax.xaxis.get_ticklabels() if t.get_text()]
+  assert labels and all(label.endswith(("B", "KiB")) for label in labels), labels
+  mixers, title = sorted(c.get_label() for c in ax.containers), ax.get_title()
+  plots.plt.close(figure)
+  assert mixers == ["deltanet", "mha"] and title.startswith("mad_memorization"), (mixers, title)
