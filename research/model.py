@@ -147,9 +147,14 @@ class Block(nnx.Module):
         model_config, feed_forward.REGISTRY.settings(feed_forward_name, model_config),
         rngs=rngs) if kept else None
 
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    x = x_BxLxD + self.mixer(self.mixer_norm(x_BxLxD), positions_BxL, segments_BxL)
-    return sharding.constrain(self.feed_forward(x, segments_BxL), ("batch", "length", "embed"))
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None, carry=None):
+    """The block's output, and the carry of what its mixer leaves for later layers (a dict:
+    research.attention.base.Mixer.call_with_carry)."""
+    y, carry = self.mixer.call_with_carry(self.mixer_norm(x_BxLxD), positions_BxL, segments_BxL,
+                                          {} if carry is None else carry)
+    x = sharding.constrain(self.feed_forward(x_BxLxD + y, segments_BxL),
+                           ("batch", "length", "embed"))
+    return x, carry
 
   def feed_forward(self, x_BxLxD, segments_BxL=None):
     """The feed-forward sublayer with its residual (the identity when there is none)."""
@@ -162,13 +167,14 @@ class Block(nnx.Module):
             "feed_forward": (None if self.mlp is None
                              else self.mlp.init_cache(batch_size, max_length))}
 
-  def decode(self, x_BxTxD, cache, index):
-    y, mixer_cache = self.mixer.decode(self.mixer_norm(x_BxTxD), cache["mixer"], index)
+  def decode(self, x_BxTxD, cache, index, carry=None):
+    y, mixer_cache, carry = self.mixer.decode_with_carry(
+        self.mixer_norm(x_BxTxD), cache["mixer"], index, {} if carry is None else carry)
     x, feed_forward_cache = x_BxTxD + y, cache["feed_forward"]
     if self.mlp is not None:
       y, feed_forward_cache = self.mlp.decode(self.mlp_norm(x), feed_forward_cache, index)
       x = x + y
-    return x, {"mixer": mixer_cache, "feed_forward": feed_forward_cache}
+    return x, {"mixer": mixer_cache, "feed_forward": feed_forward_cache}, carry
 
   def cache_bytes(self, batch_size, context_length):
     feed_forward = (0 if self.mlp is None
@@ -239,9 +245,9 @@ class LanguageModel(nnx.Module):
     """Logits [batch, length, vocab]. positions default to 0..length-1, or with segment ids
     (packed documents) to 0.. from each document's start."""
     positions_BxL = self._positions(tokens_BxL, positions_BxL, segments_BxL)
-    x = self._embed(tokens_BxL, positions_BxL)
+    x, carry = self._embed(tokens_BxL, positions_BxL), {}
     for block in self.blocks:
-      x = block(x, positions_BxL, segments_BxL)
+      x, carry = block(x, positions_BxL, segments_BxL, carry)
     return self._logits(x)
 
   @staticmethod
@@ -256,13 +262,13 @@ class LanguageModel(nnx.Module):
     """Per layer, the attention probabilities [B, N, L, L] of the forward pass of `__call__`
     (float32; a mixer's `attention_weights`), or None for a layer whose mixer has none."""
     positions_BxL = self._positions(tokens_BxL, positions_BxL, segments_BxL)
-    x = self._embed(tokens_BxL, positions_BxL)
+    x, carry = self._embed(tokens_BxL, positions_BxL), {}
     weights = []
     for block in self.blocks:
       weights.append(block.mixer.attention_weights(block.mixer_norm(x), positions_BxL,
                                                    segments_BxL)
                      if block.mixer.has_attention_weights else None)
-      x = block(x, positions_BxL, segments_BxL)
+      x, carry = block(x, positions_BxL, segments_BxL, carry)
     return weights
 
   def probe(self, tokens_BxL, positions_BxL=None, segments_BxL=None, *, input_offset_BxLxD=None,
@@ -277,13 +283,14 @@ class LanguageModel(nnx.Module):
     x = self._embed(tokens_BxL, positions_BxL)
     if input_offset_BxLxD is not None:
       x = x + input_offset_BxLxD.astype(x.dtype)
+    carry = {}  # an edited (softmax) layer leaves nothing for later layers
     for layer, block in enumerate(self.blocks):
       if layer in edit_attention:
         y = block.mixer.with_edited_weights(block.mixer_norm(x), positions_BxL, segments_BxL,
                                             edit_attention[layer])
         x = block.feed_forward(x + y, segments_BxL)
       else:
-        x = block(x, positions_BxL, segments_BxL)
+        x, carry = block(x, positions_BxL, segments_BxL, carry)
     return self._logits(x)
 
   def init_cache(self, batch_size, max_length):
@@ -301,9 +308,9 @@ class LanguageModel(nnx.Module):
     """Logits for T new tokens that follow the cached ones, and the updated cache."""
     index = cache["index"]
     x = self._embed(tokens_BxT, (index + jnp.arange(tokens_BxT.shape[1]))[None])
-    layers = []
+    layers, carry = [], {}
     for block, layer_cache in zip(self.blocks, cache["layers"]):
-      x, layer_cache = block.decode(x, layer_cache, index)
+      x, layer_cache, carry = block.decode(x, layer_cache, index, carry)
       layers.append(layer_cache)
     return self._logits(x), {"index": index + tokens_BxT.shape[1], "layers": layers}
 

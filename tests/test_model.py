@@ -118,7 +118,7 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(rope=dict(scaling="linear")), "unknown rotary scaling 'linear'; valid: none, pi, static_ntk, dynamic_ntk, yarn"),
     (dict(mlp_ratio=-1), "model.mlp_ratio must be >= 0"),
     (dict(feed_forward="dense"), "unknown feed-forward 'dense' in model.feed_forward; valid: mlp, moe"),
-    (dict(feed_forward_pattern=("mlp", "swiglu"), num_layers=2), "unknown feed-forward 'swiglu' in model.feed_forward_pattern"),
+    (dict(feed_forward_pattern=("mlp", "geglu"), num_layers=2), "unknown feed-forward 'geglu' in model.feed_forward_pattern"),
     (dict(feed_forward_pattern=("mlp", "moe"), num_layers=3), r"num_layers=3 must be a positive multiple of len\(model.feed_forward_pattern\)=2"),
     (dict(feed_forward="moe", moe=dict(num_experts=1)), "model.moe.num_experts=1 is below model.moe.top_k=2; valid: an integer >= 2"),
     (dict(feed_forward="moe", moe=dict(top_k=0)), "model.moe.top_k=0 must be an integer >= 1"),

@@ -49,8 +49,9 @@ def _shift(x_BxLxD, segments_BxL):
   return jnp.where(_starts(segments_BxL)[..., None], 0.0, previous)
 
 
-def _reference_time_mix(mixer, x, segments):
-  """RWKV_Tmix_x070.forward of the reference's layer 0 (no value residual), written out."""
+def _reference_time_mix(mixer, x, segments, v_first=None):
+  """RWKV_Tmix_x070.forward, written out: (output, v_first). With v_first None it is the
+  reference's layer 0 (which returns its v as v_first), else a later layer's value residual."""
   b, length, d = x.shape
   n, h = mixer.num_heads, mixer.head_dim
   flat = lambda p: p[...].reshape(p.shape[0], -1) if p[...].ndim == 3 else p[...].reshape(-1)
@@ -58,6 +59,11 @@ def _reference_time_mix(mixer, x, segments):
   xr, xw, xk, xv, xa, xg = (x + xx * mixer.mix[name][...] for name in "rwkvag")
   r, k, v = (xs @ flat(p.kernel) for xs, p in ((xr, mixer.receptance), (xk, mixer.key),
                                                 (xv, mixer.value)))
+  if v_first is None:
+    v_first = v
+  else:
+    v = v + (v_first - v) * jax.nn.sigmoid(flat(mixer.value_residual_base) + (
+        xv @ mixer.lora_down["value"][...]) @ flat(mixer.lora_up["value"]))
   w1, w2 = mixer.lora_down["decay"][...], flat(mixer.lora_up["decay"])
   w = -jax.nn.softplus(-(flat(mixer.decay_base) + jnp.tanh(xw @ w1) @ w2)) - 0.5
   a = jax.nn.sigmoid(flat(mixer.a_base) + (xa @ mixer.lora_down["a"][...])
@@ -72,7 +78,7 @@ def _reference_time_mix(mixer, x, segments):
   y = (y - y.mean(-1, keepdims=True)) / jnp.sqrt(y.var(-1, keepdims=True) + 64e-5)
   y = y * mixer.norm_scale[...] + mixer.norm_bias[...]  # GroupNorm(H, C, eps=64e-5)
   y = y + (heads(r) * heads(k) * mixer.bonus[...]).sum(-1, keepdims=True) * heads(v)
-  return (y.reshape(b, length, d) * g) @ flat(mixer.out.kernel).reshape(d, d)
+  return (y.reshape(b, length, d) * g) @ flat(mixer.out.kernel).reshape(d, d), v_first
 
 
 def _mixer(layer_index, num_layers, **settings):
@@ -90,11 +96,44 @@ def test_rwkv7_mixer_equals_the_reference_with_gradients_on_packed_documents():
   x = _normal(0, (2, 21, 32))
   got, want, unpacked = jax.jit(lambda x: (
       _outputs_and_gradients(lambda m, x: m(x, None, SEGMENTS_21), mixer, x),
-      _outputs_and_gradients(lambda m, x: _reference_time_mix(m, x, SEGMENTS_21), mixer, x),
+      _outputs_and_gradients(lambda m, x: _reference_time_mix(m, x, SEGMENTS_21)[0], mixer, x),
       mixer(x, None)))(x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
   assert float(jnp.abs(unpacked[0, 6:] - got[0][0, 6:]).max()) > 1e-3  # the resets mattered
+
+
+def test_value_residual_of_a_later_layer_equals_the_reference_with_gradients():
+  """Layers 0 and 1 of 3 in a row, as the model runs them (the carry from one to the other):
+  layer 1 mixes its values towards layer 0's, v + (v_first - v) sigmoid(v0 + (x_v A_v) B_v),
+  as RWKV_Tmix_x070.forward; outputs and the gradients w.r.t. both inputs and every parameter of
+  both layers (A_v given values, as the other low-rank maps above). The first layer alone has no
+  value-residual parameters, and value_residual=False builds none."""
+  first, later = _mixer(0, 3), _mixer(1, 3)
+  assert not first.value_residual and "value" not in first.lora_down and later.value_residual
+  assert not _mixer(1, 3, value_residual=False).value_residual
+  for i, name in enumerate((*rwkv7.LORA_SCALES, "value")):
+    for mixer in (first, later):
+      if name in mixer.lora_down:
+        mixer.lora_down[name][...] = _normal(10 + i, mixer.lora_down[name].shape, 0.3)
+  pair = nnx.List([first, later])
+  x = _normal(0, (2, 2, 21, 32))  # [layer, batch, length, d_model]
+
+  def model_pair(pair, x):
+    y0, carry = pair[0].call_with_carry(x[0], None, SEGMENTS_21, {})
+    y1, _ = pair[1].call_with_carry(x[1], None, SEGMENTS_21, carry)
+    return jnp.stack([y0, y1])
+
+  def reference_pair(pair, x):
+    y0, v_first = _reference_time_mix(pair[0], x[0], SEGMENTS_21)
+    return jnp.stack([y0, _reference_time_mix(pair[1], x[1], SEGMENTS_21, v_first)[0]])
+
+  got, want, alone = jax.jit(lambda x: (_outputs_and_gradients(model_pair, pair, x),
+                                        _outputs_and_gradients(reference_pair, pair, x),
+                                        later(x[1], None, SEGMENTS_21)))(x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+  assert float(jnp.abs(alone - got[0][1]).max()) > 1e-3  # the residual changed layer 1
 
 
 def test_chunked_form_and_recurrence_equal_the_reference_op_with_gradients():
@@ -191,3 +230,34 @@ def test_channel_mix_equals_the_reference_with_gradients_and_decodes_as_the_forw
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), whole, atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="hidden must be >= 1"):
     RWKV7ChannelMix.validate({"hidden": -1}, config)
+
+
+def test_a_model_with_the_value_residual_decodes_as_its_forward_pass():
+  """Three RWKV-7 layers (the carry from layer 0 to 1 and 2): token-by-token decoding and a
+  prefill then decode give the logits of the full forward; in a hybrid the first RWKV-7 layer
+  plays layer 0."""
+  from research import model as model_lib  # noqa: PLC0415
+  config = tiny_model_config(attention="rwkv7", position="none", num_layers=3)
+  model = model_lib.build_model(config, rngs=nnx.Rngs(0))
+  assert [block.mixer.value_residual for block in model.blocks] == [False, True, True]
+  tokens = jax.random.randint(jax.random.key(0), (2, 11), 0, config.vocab_size)
+
+  @jax.jit
+  def forward_and_decodes(tokens):
+    full = model(tokens)
+    cache, steps = model.init_cache(2, 11), []
+    for i in range(11):
+      logits, cache = model.decode(tokens[:, i:i + 1], cache)
+      steps.append(logits)
+    head, cache = model.prefill(tokens[:, :6], model.init_cache(2, 11))
+    tail, _ = model.decode(tokens[:, 6:], cache)
+    return full, jnp.concatenate(steps, 1), jnp.concatenate([head, tail], 1)
+
+  full, stepped, chunked = forward_and_decodes(tokens)
+  np.testing.assert_allclose(stepped, full, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(chunked, full, atol=1e-5, rtol=1e-5)
+  hybrid = model_lib.build_model(tiny_model_config(
+      attention="rwkv7", position="none", num_layers=4, layer_pattern=("mha", "rwkv7")),
+      rngs=nnx.Rngs(0))
+  assert [getattr(b.mixer, "value_residual", None) for b in hybrid.blocks] == [
+      None, False, None, True]

@@ -114,6 +114,17 @@ class Mixer(nnx.Module):
   def decode(self, x_BxTxD, cache, index):
     raise NotImplementedError
 
+  # Values that one layer leaves for the later layers of the same forward pass or decode step
+  # (RWKV-7's value residual reads the first layer's values): the model threads a dict, the
+  # carry, through its blocks, which call these two; a mixer that shares nothing keeps the
+  # defaults, which pass the carry on untouched. Called alone (__call__, decode), a mixer
+  # computes as it would as the first layer to use the carry.
+  def call_with_carry(self, x_BxLxD, positions_BxL, segments_BxL, carry):
+    return self(x_BxLxD, positions_BxL, segments_BxL), carry
+
+  def decode_with_carry(self, x_BxTxD, cache, index, carry):
+    return (*self.decode(x_BxTxD, cache, index), carry)
+
   def mixing_flops_per_token(self, context_length):
     raise NotImplementedError
 

@@ -58,11 +58,17 @@ z = ((n mod H) - (H-1)/2) / ((H-1)/2), zig = z |z| (0 at H = 1):
 Low-rank ranks: 0 takes the reference's max(32, round(c sqrt(D) / 32) 32), c = 2.5 for w and a,
 5 for g. As the reference's optimizer groups, only W_r, W_k, W_v, W_o take weight decay.
 
+Value residual (value_residual, on by default): the first layer's values v_first are passed to
+the later layers of the same pass (the model's carry, research/attention/base.py), which mix
+theirs towards them,
+  v <- v + (v_first - v) sigmoid(v0 + (x_v A_v) B_v),   v0 = 0.73 - 0.4 lin, A_v zero,
+  B_v orthogonal gain 0.1, rank max(32, round(1.7 sqrt(D) / 32) 32),
+before anything else reads v (the state and the bonus term). Layer 0 has no v0, A_v, B_v; in a
+hybrid (model.layer_pattern) the first RWKV-7 layer plays the reference's layer 0. Decoding
+carries v_first of the new tokens from layer to layer in the same way (no extra cache).
+value_residual=False computes every layer as layer 0 (as runs saved before it existed did).
+
 Where this differs from the reference:
-  * No value residual. The reference's layers l > 0 mix their values towards the first layer's,
-    v <- v + (v_first - v) sigmoid(v0 + (x_v A_v) B_v), with v_first passed from layer to layer;
-    the lab's mixers get no state from other layers, so every layer computes as the reference's
-    layer 0 (which has no v0, A_v, B_v).
   * W_o takes the lab's LeCun normal, not the reference's zeros (with which a fresh layer
     outputs 0 and this layer's checks would see nothing), as research/attention/rwkv6.py.
   * The head dim is d_model / model.num_heads (the reference fixes 64); the reference's 2x
@@ -90,7 +96,10 @@ MAX_CHUNK = 64  # e^{64 e^{-1/2}} = e^{38.8}: factored decay ratios stay finite 
 STREAMS = ("r", "w", "k", "v", "a", "g")  # the token-shift interpolations, reference's order
 MIX_POWERS = {"r": 0.2, "w": 0.9, "k": 0.7, "v": 0.7, "a": 0.9, "g": 0.2}
 LORA_SCALES = {"decay": 2.5, "a": 2.5, "gate": 5.0}  # rank max(32, round(c sqrt(D) / 32) 32)
-LORA_ACTIVATIONS = {"decay": jnp.tanh, "a": lambda y: y, "gate": jax.nn.sigmoid}
+LORA_ACTIVATIONS = {"decay": jnp.tanh, "a": lambda y: y, "gate": jax.nn.sigmoid,
+                    "value": lambda y: y}
+VALUE_LORA_SCALE = 1.7  # the value residual's rank: max(32, round(1.7 sqrt(D) / 32) 32)
+FIRST_VALUES = "rwkv7_first_values"  # the carry's entry: v of the first RWKV-7 layer
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -196,14 +205,27 @@ def lora_rank(setting, d_model, scale):
   return int(setting) or max(32, int(round(scale * d_model ** 0.5 / 32) * 32))
 
 
+def _first_layer_of_its_kind(model_config, layer_index):
+  """The first layer whose mixer is the one of layer `layer_index` (model.layer_pattern tiled
+  over the layers, or model.attention in every layer)."""
+  pattern = tuple(model_config.layer_pattern) or (model_config.attention,)
+  kinds = [pattern[i % len(pattern)] for i in range(layer_index + 1)]
+  return kinds.index(kinds[layer_index])
+
+
 class RWKV7(rwkv6.ShiftAndMatrixState):
   # Chunks of 32: fwd+bwd at 2048 tokens (d_model 256, 4 heads) on a shared 2-core CPU took the
   # time of chunks of 64, ~15% less than 16, ~25% less than rwkv6 at its defaults (noisy).
   hyperparameters = {"chunk_size": 32,  # tokens per chunk, <= 64 (MAX_CHUNK)
                      "decay_lora_rank": 0,  # 0: the reference's sizing (module docstring)
                      "a_lora_rank": 0,
-                     "gate_lora_rank": 0}
-  test_settings = {"chunk_size": 4, "decay_lora_rank": 8, "a_lora_rank": 8, "gate_lora_rank": 8}
+                     "gate_lora_rank": 0,
+                     "value_residual": True,  # layers > 0 mix in the first layer's values
+                     "value_lora_rank": 0}
+  test_settings = {"chunk_size": 4, "decay_lora_rank": 8, "a_lora_rank": 8, "gate_lora_rank": 8,
+                   "value_lora_rank": 8}
+  # Runs saved before the value residual existed computed every layer as layer 0.
+  predated_settings = {"value_residual": False}
   recurrent = True
 
   @classmethod
@@ -212,7 +234,7 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
     if not 1 <= settings.chunk_size <= MAX_CHUNK:
       raise ValueError(f"model.rwkv7.chunk_size must be in [1, {MAX_CHUNK}] (larger chunks "
                        f"overflow float32's decay ratios), got {settings.chunk_size}")
-    for field in ("decay_lora_rank", "a_lora_rank", "gate_lora_rank"):
+    for field in ("decay_lora_rank", "a_lora_rank", "gate_lora_rank", "value_lora_rank"):
       if settings[field] < 0:
         raise ValueError(f"model.rwkv7.{field} must be >= 1, or 0 for the reference's sizing; "
                          f"got {settings[field]}")
@@ -242,12 +264,15 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
     self.bonus = _per_channel(n, h, -0.04)  # r_k
     self.lora_down, self.lora_up = nnx.Dict(), nnx.Dict()
     for name, scale in LORA_SCALES.items():
-      rank = lora_rank(settings[f"{name}_lora_rank"], d, scale)
-      self.lora_down[name] = nn.param(jnp.zeros((d, rank)), ("embed", "ssm_proj"),
-                                      weight_decay=False)
-      gain = 0.1 * (math.sqrt(rank / d) if rank > d else 1.0)
-      self.lora_up[name] = nn.param(orthogonal(gain)(rngs.params(), (rank, n, h)),
-                                    ("ssm_proj", "heads", "head_dim"), weight_decay=False)
+      self._add_lora(name, lora_rank(settings[f"{name}_lora_rank"], d, scale), d, n, h, rngs)
+    # The value residual's parameters, in the RWKV-7 layers after the first (the reference's
+    # layer_id > 0).
+    self.value_residual = (bool(settings.value_residual)
+                           and layer_index > _first_layer_of_its_kind(model_config, layer_index))
+    if self.value_residual:
+      self.value_residual_base = _per_channel(n, h, 0.73 - 0.4 * linear)  # the reference's v0
+      self._add_lora("value", lora_rank(settings.value_lora_rank, d, VALUE_LORA_SCALE), d, n, h,
+                     rngs)
     self.receptance, self.key, self.value = (
         base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype, init=orthogonal(gain))
         for gain in (1.0, 0.1, 1.0))
@@ -255,12 +280,39 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
     self.norm_bias = _per_channel(n, h, 0.0)
     self.out = base.output_projection(n, h, d, rngs=rngs, dtype=dtype)
 
+  def _add_lora(self, name, rank, d, n, h, rngs):
+    """A low-rank map D -> R -> [N, H]: A zero, B orthogonal with gain 0.1 (x sqrt(R / D) when
+    R > D), no weight decay."""
+    self.lora_down[name] = nn.param(jnp.zeros((d, rank)), ("embed", "ssm_proj"),
+                                    weight_decay=False)
+    gain = 0.1 * (math.sqrt(rank / d) if rank > d else 1.0)
+    self.lora_up[name] = nn.param(orthogonal(gain)(rngs.params(), (rank, n, h)),
+                                  ("ssm_proj", "heads", "head_dim"), weight_decay=False)
+
+  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
+    return self.call_with_carry(x_BxLxD, positions_BxL, segments_BxL, {})[0]
+
+  def call_with_carry(self, x_BxLxD, positions_BxL, segments_BxL, carry):
+    del positions_BxL  # order comes from the recurrence
+    y, _, carry = self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL,
+                            carry=carry)
+    return y, carry
+
+  def decode(self, x_BxTxD, cache, index):
+    return self.decode_with_carry(x_BxTxD, cache, index, {})[:2]
+
+  def decode_with_carry(self, x_BxTxD, cache, index, carry):
+    del index
+    return self._mix(x_BxTxD, cache, carry=carry)
+
   def _lora(self, name, x_BxTxD):
     """activation(x A) B [B, T, N, H] of the low-rank map `name`."""
     hidden_BxTxR = LORA_ACTIVATIONS[name](x_BxTxD @ self.lora_down[name][...])
     return jnp.einsum("btr,rnh->btnh", hidden_BxTxR, self.lora_up[name][...])
 
-  def _mix(self, x_BxTxD, cache, segments_BxT=None):
+  def _mix(self, x_BxTxD, cache, segments_BxT=None, *, carry):
+    """(y, cache, carry): the time mix from `cache`; the first layer to see the carry leaves its
+    values in it, a later one with the value residual mixes them into its own."""
     previous, last = rwkv6.token_shift(x_BxTxD, cache["shift"], segments_BxT)
     x = x_BxTxD.astype(jnp.float32)
     dx = previous.astype(jnp.float32) - x
@@ -268,6 +320,11 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
     r = self.receptance(xs["r"]).astype(jnp.float32)
     k = self.key(xs["k"]).astype(jnp.float32)
     v = self.value(xs["v"]).astype(jnp.float32)
+    if FIRST_VALUES not in carry:
+      carry = {**carry, FIRST_VALUES: v}
+    elif self.value_residual:  # v + (v_first - v) sigmoid(v0 + (x_v A_v) B_v)
+      v = v + (carry[FIRST_VALUES] - v) * jax.nn.sigmoid(self.value_residual_base[...]
+                                                         + self._lora("value", xs["v"]))
     log_decay = -LOG_DECAY_SCALE * jax.nn.sigmoid(self.decay_base[...]
                                                   + self._lora("decay", xs["w"]))
     a = jax.nn.sigmoid(self.a_base[...] + self._lora("a", xs["a"]))
@@ -285,7 +342,7 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
     o = ((o - mean) * jax.lax.rsqrt(variance + NORM_EPSILON) * self.norm_scale[...]
          + self.norm_bias[...])
     o = o + jnp.sum(r * k * self.bonus[...], -1, keepdims=True) * v
-    return self.out((o * g).astype(self.dtype)), {"shift": last, "state": state}
+    return self.out((o * g).astype(self.dtype)), {"shift": last, "state": state}, carry
 
   def mixing_flops_per_token(self, context_length):
     n, h = self.num_heads, self.head_dim
