@@ -53,7 +53,9 @@ def initialize_distributed(config):
         heartbeat_timeout_seconds=lost_process.heartbeat_timeout_seconds())
 
 
-def make_optimizer(config):
+def make_optimizer(config, abstract_model=None):
+  """The optax chain (clipping, AdamW with each parameter's declared weight decay) and the
+  learning-rate schedule; `abstract_model` (nnx.eval_shape of the model) saves building one."""
   t = config.train
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=t.learning_rate, warmup_steps=t.warmup_steps,
@@ -64,7 +66,8 @@ def make_optimizer(config):
   # read once from the abstract model; the mask looks parameters up by their path, so it serves
   # trees of Variables (this loop) and of raw arrays (nnx.Optimizer's update) alike.
   declared = {}
-  abstract = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
+  abstract = abstract_model or nnx.eval_shape(
+      lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
   for path, variable in jax.tree_util.tree_flatten_with_path(
       nnx.state(abstract, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
     decay = variable.get_metadata().get("weight_decay")
@@ -144,11 +147,15 @@ def _train(config, workdir, mesh, is_writer):
   t = config.train
 
   # ---- 2. Train state, created directly in its sharded layout (never whole on one device).
-  optimizer, schedule = make_optimizer(config)
-  graphdef = nnx.graphdef(nnx.eval_shape(
-      lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(t.seed))))
+  # The model is traced twice here (its structure, then the state's shapes) and built once, by
+  # init_state or by restoring a checkpoint.
+  abstract_model = nnx.eval_shape(
+      lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(t.seed)))
+  graphdef = nnx.graphdef(abstract_model)
+  optimizer, schedule = make_optimizer(config, abstract_model)
   init_state = make_init_state(config, optimizer)
-  state_shardings = sharding.state_shardings(jax.eval_shape(init_state), mesh)
+  abstract_state = jax.eval_shape(init_state)
+  state_shardings = sharding.state_shardings(abstract_state, mesh)
   batch_sharding = sharding.batch_sharding(mesh)
 
   # ---- 3. The step: gradient accumulation over micro-batches, then one optimizer update.
@@ -195,8 +202,7 @@ def _train(config, workdir, mesh, is_writer):
   # ---- 4. Checkpoints: restore the newest readable one, or initialise.
   manager = checkpoints.manager(workdir, t.keep_checkpoints, t.keep_checkpoints_at)
   with jax.set_mesh(mesh):
-    state = checkpoints.restore_latest(manager,
-                                       sharding.sharded_abstract(jax.eval_shape(init_state), mesh),
+    state = checkpoints.restore_latest(manager, sharding.sharded_abstract(abstract_state, mesh),
                                        log=print if is_writer else lambda line: None)
     initialised = state is None
     if initialised:
