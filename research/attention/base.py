@@ -9,6 +9,7 @@ A mixer maps [batch, length, d_model] to the same shape, causally. It supports
   * full-sequence forward `__call__(x, positions)` for training and evaluation,
   * incremental decode `decode(x, cache, index)` from `init_cache(batch, max_length)`, for one or
     more new tokens at sequence positions index, index + 1, ...,
+  * (rarely) `call_with_carry` / `decode_with_carry`, for what a layer leaves to later layers,
   * `cache_bytes(batch, context_length)`: the size of that cache, read off its shapes,
   * `mixing_flops_per_token(context_length)`: forward FLOPs per token that are not parameter
     matmuls (those are counted as 2 per parameter by `research.flops`).
