@@ -20,9 +20,9 @@ saves them (`save`) as
                         task, one line per variant.
   width.png             a sweep over model.d_model (MQAR, Zoology arXiv:2312.04927 Figure 2): the
                         metric against width, one line per mixer.
-  accuracy_vs_state.png tasks: the metric against the decode state a run carries per sequence
-                        (KV cache or recurrent state, results rows' state_bytes), one line per
-                        mixer (Zoology Figure 3).
+  accuracy_vs_state.png tasks (not MAD): the metric against the decode state a run carries per
+                        sequence (KV cache or recurrent state, results rows' state_bytes), one
+                        line per mixer (Zoology Figure 3).
   mad_state.png         MAD sweeps (research.results.mad_table): each mixer's score per task and
                         overall against its state size.
 In the last four, points are means over seeds and error bars span the seeds' mean 95% bootstrap
@@ -302,7 +302,7 @@ MIXER_KEYS = ("model.attention", "model.position", "model.layer_pattern")
 def accuracy_against_state(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
   """`metric` against the decode state a run carries per sequence at the evaluated length
   (results rows' state_bytes), one line per mixer through its widths or other sizes, one panel
-  per task and evaluation length: Zoology's Figure 3 (arXiv:2312.04927), MAD's iso-state view."""
+  per task and evaluation length: Zoology's Figure 3 (arXiv:2312.04927)."""
   other = [k for k in report.swept_keys(rows)
            if k not in MIXER_KEYS and k.startswith(("data.", "train.seq_len"))]
   task = _labeller(rows, leave_out=[k for k in report.swept_keys(rows) if k not in other])

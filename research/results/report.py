@@ -183,7 +183,8 @@ def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
   """Draws the figures of the results (research.results.plots) into `workdir`; returns their names:
   extrapolation.png and loss_by_position.png always, rope_scaling.png with RoPE-scaled rows,
   needle_heatmap.png and lost_in_the_middle.png with needle depths, tasks.png over several tasks,
-  width.png over several widths (these two of the unscaled rows)."""
+  width.png over several widths, accuracy_vs_state.png for tasks whose runs' states differ
+  (these three of the unscaled rows)."""
   from research.results import plots  # noqa: PLC0415 (matplotlib only when drawing)
 
   plain = [row for row in rows if row["rope_scaling"] == "none"]
@@ -201,9 +202,10 @@ def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
       ("tasks.png", "data.name" in keys and not data.is_language_modeling(config),
        lambda: plots.task_panels(plain, metric)),
       ("width.png", "model.d_model" in keys, lambda: plots.width(plain, metric)),
-      ("accuracy_vs_state.png", not data.is_language_modeling(config) and len(
-          {row.get("state_bytes") for row in plain}) > 1 and all("state_bytes" in row
-                                                                  for row in plain),
+      # (MAD's sweeps draw mad_state.png instead: research.results.mad_table)
+      ("accuracy_vs_state.png", not data.is_language_modeling(config)
+       and not mad_table.applies(plain) and len({row.get("state_bytes") for row in plain}) > 1
+       and all("state_bytes" in row for row in plain),
        lambda: plots.accuracy_against_state(plain, metric)),
   ]
   written = []
