@@ -1,8 +1,8 @@
 """A run's evaluation results, RUN/eval.json: a list of rows, appended and never overwritten.
 
-A row holds the metrics of one evaluation and the settings that produced them, its key:
-the checkpoint step, the held-out split (eval.splits), the eval length, mode and RoPE scaling, the number of scored tokens
-(eval.num_tokens), the sliding-window stride (0 for non-overlapping windows), the bootstrap
+A row holds the metrics of one evaluation and the settings that produced them, its key: the
+checkpoint step, the held-out split (eval.splits), the eval length, mode and RoPE scaling, the
+number of scored tokens (eval.num_tokens), the sliding-window stride (0 for non-overlapping windows), the bootstrap
 samples and seed of its intervals and, for a needle task, the evaluated depths and the row's
 depth (none on the row that pools them). Evaluating a run again computes only the settings it has
 no row for, so a run trained further or evaluated at new lengths keeps its earlier rows beside the
