@@ -15,6 +15,7 @@ Two places apply the same rule without refusing:
     (research.runs.config_fields.merge_saved), so runs saved before this rule still evaluate.
 """
 
+import functools
 from typing import Iterator
 
 import ml_collections
@@ -74,19 +75,35 @@ def _rules(config) -> Iterator[tuple[str, bool, str]]:
          "a model without model.layer_pattern (which names every layer's mixer)")
   yield ("model.feed_forward", not m.feed_forward_pattern,
          "a model without model.feed_forward_pattern")
+  readers = _registry_readers(variants.registry_state())
   yield ("model.num_kv_heads", any(cls.reads_num_kv_heads for cls in mixers),
-         "mixers with a number of key/value heads of their own: "
-         + ", ".join(n for n, cls in attention.REGISTRY.items() if cls.reads_num_kv_heads))
+         readers["model.num_kv_heads"])
   yield ("model.attention_backend", any(cls.backends for cls in mixers),
-         "the softmax-family mixers: "
-         + ", ".join(n for n, cls in attention.REGISTRY.items() if cls.backends))
+         readers["model.attention_backend"])
   used = _used_variants(config)
-  for key in sorted(variant_sections()):
-    yield key, key in used, f"a model with {_owners(key)}"
+  for key in readers["sections"]:
+    yield key, key in used, readers[key]
   coordinated = bool(config.distributed.coordinator_address)
   for field in ("num_processes", "process_id"):
     yield (f"distributed.{field}", coordinated,
            "a multi-process run (distributed.coordinator_address set)")
+
+
+@functools.lru_cache(maxsize=1)
+def _registry_readers(registry_state: tuple) -> dict:
+  """Who reads the registry-dependent fields, for one state of the registries (the key): derived
+  once, not for each of a sweep's thousands of members."""
+  del registry_state  # the cache key: a variant (un)registered derives them again
+  readers = {
+      "model.num_kv_heads": "mixers with a number of key/value heads of their own: "
+                            + ", ".join(n for n, cls in attention.REGISTRY.items()
+                                        if cls.reads_num_kv_heads),
+      "model.attention_backend": "the softmax-family mixers: "
+                                 + ", ".join(n for n, cls in attention.REGISTRY.items()
+                                             if cls.backends),
+      "sections": sorted(variant_sections())}
+  readers.update({key: f"a model with {_owners(key)}" for key in readers["sections"]})
+  return readers
 
 
 def variant_sections() -> set[str]:
