@@ -2,9 +2,9 @@
 
 A row holds the metrics of one evaluation and the settings that produced them, its key: the
 checkpoint step, the held-out split (eval.splits), the eval length, mode and RoPE scaling, the
-number of scored tokens (eval.num_tokens), the sliding-window stride (0 for non-overlapping windows), the bootstrap
-samples and seed of its intervals and, for a needle task, the evaluated depths and the row's
-depth (none on the row that pools them). Evaluating a run again computes only the settings it has
+number of scored tokens (eval.num_tokens), the sliding-window stride (0 for non-overlapping
+windows), the bootstrap samples and seed of its intervals and, for a needle task, the evaluated
+depths and the row's depth (none on the row that pools them). Evaluating a run again computes only the settings it has
 no row for, so a run trained further or evaluated at new lengths keeps its earlier rows beside the
 new ones. Summaries and figures use `latest`: per run, length, mode, scaling and depth, the row of
 the newest step (the last one evaluated, on a tie).
@@ -71,8 +71,8 @@ def append(run_dir: str, rows: Iterable[dict]) -> list[dict]:
 
 
 def latest(rows: Iterable[dict]) -> list[dict]:
-  """Per (run, split, eval length, mode, scaling, depth), the row of the newest step, the last one on a
-  tie."""
+  """Per (run, split, eval length, mode, scaling, depth), the row of the newest step, the last one
+  on a tie."""
   chosen = {}
   for row in rows:
     point = (row.get("run"), *(split(row) if name == "split" else row.get(name) for name in POINT))
