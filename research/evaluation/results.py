@@ -4,10 +4,10 @@ A row holds the metrics of one evaluation and the settings that produced them, i
 checkpoint step, the held-out split (eval.splits), the eval length, mode and RoPE scaling, the
 number of scored tokens (eval.num_tokens), the sliding-window stride (0 for non-overlapping
 windows), the bootstrap samples and seed of its intervals and, for a needle task, the evaluated
-depths and the row's depth (none on the row that pools them). Evaluating a run again computes only the settings it has
-no row for, so a run trained further or evaluated at new lengths keeps its earlier rows beside the
-new ones. Summaries and figures use `latest`: per run, length, mode, scaling and depth, the row of
-the newest step (the last one evaluated, on a tie).
+depths and the row's depth (none on the row that pools them). Evaluating a run again computes only
+the settings it has no row for, so a run trained further or evaluated at new lengths keeps its
+earlier rows beside the new ones. Summaries and figures use `latest`: per run, length, mode,
+scaling and depth, the row of the newest step (the last one evaluated, on a tie).
 
 Several processes may evaluate a run at once (one while it trains, a sweep's evaluation, a
 researcher's): each appends under the run's results lock (research.runs.lock.hold_results),
