@@ -4,7 +4,8 @@ every feed-forward.
 Adding a variant to research.attention.REGISTRY (or a scheme to research.positions.REGISTRY)
 adds it here: shapes and dtypes, causality, finite gradients, prefill in chunks then decode ==
 full forward (state carried across chunks), a packed row of documents == each document alone,
-and the same logits under an 8-device mesh with the sharding rules. Softmax attention also runs
+and the same logits under an 8-device mesh with the sharding rules (for each mixer, each scheme
+and each feed-forward: what sharding depends on). Softmax attention also runs
 with a sliding window and sinks (the rolling decode cache). Each feed-forward besides the MLP
 (research.feed_forward.REGISTRY) runs once, with the first mixer.
 """
@@ -163,44 +164,65 @@ def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, back
   assert int(cache["index"]) == LENGTH
 
 
+# Sharding depends on the parameters' logical axes: each mixer's own (run with `none`), each
+# scheme's own (run with the first mixer) and each feed-forward's. These variants run their
+# forward pass on an 8-device mesh with the sharding rules: the packed-documents test below, and
+# the sharded == unsharded check against the unsharded gradient program's logits.
+SHARDED = [v for v in VARIANTS
+           if v.values[3] is None and v.values[2] != "blockwise"
+           and (v.values[1] == "none" or v.values[0] == VARIANTS[0].values[0])]
+_SHARDED_VALUES = {tuple(v.values) for v in SHARDED}
+
+
+def _forward_of(state, forward, sharded):
+  """forward(tokens, segments) on one device, or on the mesh with the sharding rules (then also
+  the sharded state, to check that something was sharded)."""
+  if not sharded:
+    return (lambda tokens, segments: forward(state, tokens, segments)), state
+  mesh = sharding.make_mesh((2, 2, 2))
+  sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
+
+  def run(tokens, segments):
+    with jax.set_mesh(mesh):
+      return forward(sharded_state, jax.device_put(tokens, sharding.batch_sharding(mesh)),
+                     jax.device_put(jnp.asarray(segments), sharding.batch_sharding(mesh)))
+
+  return run, sharded_state
+
+
 @pytest.mark.parametrize(PARAMETERS, VARIANTS)
 def test_packed_documents_equal_each_document_alone(name, position, backend, window, feed_forward):
   """A row of packed documents (segment ids, positions restarting per document) gives each
   document the logits it gets alone, at the start of a row (causality makes what follows it in
   that row irrelevant, so one compiled shape serves every document; a row of one segment is a
-  document alone)."""
+  document alone). On the mesh for the SHARDED variants: one compiled forward per variant."""
   state, _, forward, _, _ = _compiled(name, position, backend, window, feed_forward)
+  variant = (name, position, backend, window, feed_forward)
+  run, _ = _forward_of(state, forward, sharded=variant in _SHARDED_VALUES)
   tokens = _tokens(3)
   one_document = jnp.zeros((BATCH, LENGTH), jnp.int32)
-  packed = forward(state, tokens, jnp.asarray(SEGMENTS))
+  packed = run(tokens, SEGMENTS)
   for row, segments in enumerate(SEGMENTS):
     starts = [int(np.argmax(segments == s)) for s in np.unique(segments)]
-    alone = forward(state, jnp.stack([jnp.roll(tokens[row], -start) for start in starts]
-                                     + [tokens[row]] * (BATCH - len(starts))), one_document)
+    alone = run(jnp.stack([jnp.roll(tokens[row], -start) for start in starts]
+                          + [tokens[row]] * (BATCH - len(starts))), one_document)
     for i, start in enumerate(starts):
       end = start + int((segments == segments[start]).sum())
       np.testing.assert_allclose(packed[row, start:end], alone[i, :end - start],
                                  atol=2e-5, rtol=2e-5)
-  unpacked = forward(state, tokens, one_document)  # the segments made a difference
+  unpacked = run(tokens, one_document)  # the segments made a difference
   assert float(jnp.abs(unpacked[0, 6:] - packed[0, 6:]).max()) > 1e-4
-
-
-# Sharding depends on the parameters' logical axes, not on the softmax backend: the sharded
-# check runs once per mixer x scheme (the xla backend where a mixer has two).
-SHARDED = [v for v in VARIANTS if v.values[2] != "blockwise" or v.values[3] is not None]
 
 
 @pytest.mark.parametrize(PARAMETERS, SHARDED)
 def test_sharded_equals_unsharded(name, position, backend, window, feed_forward):
-  state, _, forward, _, _ = _compiled(name, position, backend, window, feed_forward)
+  """The forward pass on the mesh (one document per row) gives the unsharded logits (of the
+  gradient program, which runs without segment ids)."""
+  state, grad_and_logits, forward, _, _ = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens(2)
-  expected = forward(state, tokens, jnp.asarray(SEGMENTS))  # packed rows, sharded or not
-  mesh = sharding.make_mesh((2, 2, 2))
-  with jax.set_mesh(mesh):
-    sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
-    sharded_tokens = jax.device_put(tokens, sharding.batch_sharding(mesh))
-    segments = jax.device_put(jnp.asarray(SEGMENTS), sharding.batch_sharding(mesh))
-    logits = forward(sharded_state, sharded_tokens, segments)
+  expected = grad_and_logits(state, tokens)[1]
+  run, sharded_state = _forward_of(state, forward, sharded=True)
+  logits = run(tokens, np.zeros((BATCH, LENGTH), np.int32))
   specs = [x.sharding.spec for x in jax.tree.leaves(sharded_state)]
   assert any(any(axis is not None for axis in spec) for spec in specs), "nothing was sharded"
   np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=2e-5)

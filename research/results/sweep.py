@@ -88,7 +88,7 @@ def expand(sweep, base_config, num_devices):
     config = apply_overrides(base_config, overrides)
     # The experiment's shared settings apply to the members that read them (module docstring).
     not_read_here = unread.experiment_settings_not_read(config, overrides)
-    config = unread.reset(config, not_read_here)
+    config = unread.reset(config, not_read_here) if not_read_here else config
     never_read = dict(not_read_here) if never_read is None else {
         name: who for name, who in never_read.items() if name in not_read_here}
     name = run_name(overrides)

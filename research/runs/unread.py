@@ -146,8 +146,10 @@ def unread_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
   skipped = not_read(config)
   unread = {}
   for name, value in values.items():
+    if value == default.get(name):
+      continue
     section = enclosing(name, skipped)
-    if section is not None and value != default.get(name):
+    if section is not None:
       unread[name] = skipped[section]
   return unread
 
