@@ -9,7 +9,6 @@ overridden on the command line, e.g.
       --config.model.attention=gqa --config.model.num_kv_heads=2
 """
 
-import json
 from typing import Any, Mapping
 
 import ml_collections

@@ -53,8 +53,9 @@ class Registry(dict):
     """The entry's hyperparameters from `model_config` (its defaults where the sub-dict is absent)."""
     key = self.settings_key(name)
     defaults = ml_collections.ConfigDict(dict(self.lookup(name).hyperparameters))
-    given = model_config.get(key) if key in model_config else None  # get() on a missing key
-    if given is None:                                                 # builds a did-you-mean
+    # Not get() alone: on a missing key it builds a did-you-mean message (per sweep member).
+    given = model_config.get(key) if key in model_config else None
+    if given is None:
       return defaults
     unknown = sorted(set(given) - set(defaults))
     if unknown:
