@@ -177,9 +177,28 @@ def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, back
 # scheme's own (run with the first mixer) and each feed-forward's. These variants run their
 # forward pass on an 8-device mesh with the sharding rules: the packed-documents test below, and
 # the sharded == unsharded check against the unsharded gradient program's logits.
-SHARDED = [v for v in VARIANTS
-           if v.values[3] is None and v.values[2] != "blockwise"
-           and (v.values[1] == "none" or v.values[0] == VARIANTS[0].values[0])]
+def _sharded():
+  """The first variant (without a window) of each mixer with `none`, of the first mixer with
+  each scheme, and of each feed-forward."""
+  first, seen = VARIANTS[0].values[0], set()
+  for variant in VARIANTS:
+    name, position, _, window, feed_forward = variant.values
+    if window is not None:
+      continue
+    if feed_forward != "mlp":
+      key = ("feed_forward", feed_forward)
+    elif position == "none":
+      key = ("mixer", name)
+    elif name == first:
+      key = ("scheme", position)
+    else:
+      continue
+    if key not in seen:
+      seen.add(key)
+      yield variant
+
+
+SHARDED = list(_sharded())
 _SHARDED_VALUES = {tuple(v.values) for v in SHARDED}
 
 
@@ -249,6 +268,10 @@ def test_every_registered_name_is_covered():
   first = next(iter(attention.REGISTRY))
   embedding_only = {p for p, cls in positions.REGISTRY.items() if cls.hooks() == {positions.EMBED}}
   assert embedding_only <= {v.values[1] for v in VARIANTS if v.values[0] == first}
+  sharded = [v.values for v in SHARDED]  # what sharding depends on, each once
+  assert {v[0] for v in sharded} == set(attention.REGISTRY)
+  assert {v[1] for v in sharded} == set(model_lib.compatible_positions(attention.REGISTRY[first]))
+  assert {v[4] for v in sharded} == set(feed_forward_lib.REGISTRY)
   blockwise = {v.values[1] for v in VARIANTS if v.values[2] == "blockwise"}
   # Every scheme of the score path through the blockwise backend, but those it refuses (whole
   # rows: CoPE).
