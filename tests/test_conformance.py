@@ -273,10 +273,10 @@ def test_every_registered_name_is_covered():
   assert {v[1] for v in sharded} == set(model_lib.compatible_positions(attention.REGISTRY[first]))
   assert {v[4] for v in sharded} == set(feed_forward_lib.REGISTRY)
   blockwise = {v.values[1] for v in VARIANTS if v.values[2] == "blockwise"}
-  # Every scheme of the score path through the blockwise backend, but those it refuses (whole
-  # rows: CoPE).
-  assert blockwise >= {p for p in positions.REGISTRY
-                       if _in_score_path(p) and _backends_for(p, ["blockwise"])}
+  # `none` and every scheme of the score path through the blockwise backend, but those it
+  # refuses (whole rows: CoPE); the others act before the backend (_in_score_path).
+  assert blockwise == {p for p in positions.REGISTRY
+                       if (p == "none" or _in_score_path(p)) and _backends_for(p, ["blockwise"])}
 
 
 @pytest.mark.parametrize("name", list(attention.REGISTRY))
