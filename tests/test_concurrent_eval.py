@@ -21,6 +21,7 @@ from research.evaluation import results as eval_results
 from research.runs import checkpoints
 from research.runs import config_fields
 from research.runs import lock as workdir_lock
+from tests.conftest import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
@@ -116,7 +117,7 @@ def test_a_run_is_evaluated_while_it_trains(tmp_path):
   evaluate its newest complete checkpoint meanwhile, and the trainer ends as it would alone."""
   workdir, num_steps = str(tmp_path / "run"), 50
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=xla_flags(8))
   env.pop("JAX_NUM_CPU_DEVICES", None)
   trainer = subprocess.Popen(
       [sys.executable, "-m", "experiments.train", f"--config={CONFIG}", f"--workdir={workdir}",

@@ -22,6 +22,7 @@ from research.runs import checkpoints
 from research.training import lost_process
 from research.training import loop as train
 from tests import tiny_config
+from tests.conftest import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
@@ -154,7 +155,7 @@ def _launch(workdir, log_dir):
   """Both processes of a 2-process run of the tiny config (4 CPU devices each); process 0's
   output is piped, process 1's goes to a file."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             XLA_FLAGS=xla_flags(4),
              JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
              RESEARCH_LOST_PROCESS_SECONDS=str(LOST_AFTER))
   env.pop("JAX_NUM_CPU_DEVICES", None)

@@ -18,6 +18,7 @@ from research.evaluation import results as eval_results
 from research.results import report
 from research.results import sweep
 from tests import tiny_sweep
+from tests.conftest import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,7 +147,7 @@ def test_a_rerun_with_new_eval_lengths_evaluates_only_those(finished_sweep, tmp_
 
 
 def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(tmp_path):
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(8))
   command = [sys.executable, "-m", "experiments.run", f"--config={ROOT}/tests/tiny_sweep.py",
              f"--workdir={tmp_path}"]
   subprocess.run(command + ["--sweep_index=1"], env=env, cwd=ROOT, check=True, capture_output=True)

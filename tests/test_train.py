@@ -32,6 +32,7 @@ from research.runs import lock as workdir_lock
 from tests import tiny_config
 from tests.conftest import can_mount_in_a_namespace
 from tests.conftest import tiny_model_config
+from tests.conftest import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "tests", "tiny_config.py")
@@ -49,7 +50,7 @@ def _train_command(workdir, *overrides):
 
 def _env(num_devices):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+             XLA_FLAGS=xla_flags(num_devices))
   env.pop("JAX_NUM_CPU_DEVICES", None)
   return env
 

@@ -16,9 +16,10 @@ from research.evaluation import extrapolation
 from research.results import report
 from research.training import loop as train
 from tests import tiny_config
+from tests.conftest import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+ENV = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(8))
 
 
 def _copy(trained_run, tmp_path):
