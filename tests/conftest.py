@@ -24,9 +24,11 @@ os.environ.setdefault("RESEARCH_DATA_DIR", os.path.join(SESSION_TMP, "research_d
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # XLA:CPU's fusion emitters (its default code generator for fusions) take about three times as
-# long to compile a test's program as the elemental emitter they replace; what the programs
+# long to compile a test's program as the elemental emitter they replace, and splitting the
+# code generation across threads costs another ~10% with both cores busy; what the programs
 # compute is the same, and the tests compare it with references in fp32.
-FAST_COMPILE_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false "
+                      "--xla_cpu_parallel_codegen_split_count=1")
 if FAST_COMPILE_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
 # One persistent compilation cache for the session and the processes its tests start: the

@@ -26,9 +26,10 @@ from tests.conftest import tiny_model_config
 
 # Not multiples of the block / chunk size 8; the second chunk (6 tokens, written at index 6) is
 # longer than the window of 5, so it wraps the rolling cache within one write. The two chunks
-# have one shape: one compiled decode serves both (an empty cache takes the sequence path inside
-# it), the single tokens a second.
+# have one shape: one scan step serves both (an empty cache takes the sequence path inside it),
+# another the single tokens, in one compiled program.
 BATCH, LENGTH, PREFILL, SECOND_CHUNK = 4, 19, 6, 6
+ONE_DOCUMENT = np.zeros((BATCH, LENGTH), np.int32)  # segment ids of rows of one document each
 CPU_BACKENDS = ("xla", "blockwise")
 # Packed documents of lengths 6, 9, 4 / 3, 16 / 19 / 8, 1, 10: they start inside chunks of 8, span
 # chunk boundaries, and one is a single token.
@@ -110,7 +111,10 @@ PARAMETERS = "name,position,backend,window,feed_forward"
 # process (vm.max_map_count), past which XLA crashed the test process with a segmentation fault.
 @functools.lru_cache(maxsize=1)
 def _compiled(name, position, backend, window=None, feed_forward="mlp"):
-  """The variant's state, jitted (gradient, logits) / forward / decode functions, empty cache."""
+  """The variant's state and jitted functions: (gradient, logits) of a batch with segment ids;
+  the forward pass (compiled on the mesh by the SHARDED variants only); and decoding a whole
+  batch from an empty cache, in two prefill chunks then one token at a time (logits, final cache
+  index). Two programs per variant on one device (compiling dominates the suite's time)."""
   settings = {} if window is None else {"softmax": dict(window=window[0], sinks=window[1])}
   config = tiny_model_config(attention=name, position=position, feed_forward=feed_forward,
                              attention_backend=backend or "xla", **settings)
@@ -119,18 +123,28 @@ def _compiled(name, position, backend, window=None, feed_forward="mlp"):
   def forward(state, tokens, segments):
     return nnx.merge(graphdef, state)(tokens, segments_BxL=segments)
 
-  def loss_and_logits(state, tokens):
-    logits = nnx.merge(graphdef, state)(tokens)
+  def loss_and_logits(state, tokens, segments):
+    logits = forward(state, tokens, segments)
     loss = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]),
                                          tokens[:, 1:, None], -1))
     return loss, logits
 
-  def decode(state, tokens, cache):
-    return nnx.merge(graphdef, state).decode(tokens, cache)
+  def decode(state, tokens):
+    model = nnx.merge(graphdef, state)
 
-  cache = nnx.merge(graphdef, state).init_cache(BATCH, LENGTH)
+    def step(cache, tokens_BxC):
+      logits, cache = model.decode(tokens_BxC, cache)
+      return cache, logits
+
+    middle = PREFILL + SECOND_CHUNK
+    chunks = tokens[:, :middle].reshape(BATCH, 2, PREFILL).swapaxes(0, 1)
+    cache, chunk_logits = jax.lax.scan(step, model.init_cache(BATCH, LENGTH), chunks)
+    cache, token_logits = jax.lax.scan(step, cache, tokens[:, middle:].T[:, :, None])
+    logits = [jnp.concatenate(list(chunk_logits), axis=1)] + list(token_logits)
+    return jnp.concatenate(logits, axis=1), cache["index"]
+
   grad_and_logits = jax.jit(jax.grad(loss_and_logits, has_aux=True))
-  return state, grad_and_logits, jax.jit(forward), jax.jit(decode), cache
+  return state, grad_and_logits, jax.jit(forward), jax.jit(decode)
 
 
 def _tokens(seed=0, vocab=61):
@@ -139,14 +153,14 @@ def _tokens(seed=0, vocab=61):
 
 @pytest.mark.parametrize(PARAMETERS, VARIANTS)
 def test_shapes_causality_and_gradients(name, position, backend, window, feed_forward):
-  state, grad_and_logits, _, _, _ = _compiled(name, position, backend, window, feed_forward)
+  state, grad_and_logits, _, _ = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens()
-  grads, logits = grad_and_logits(state, tokens)
+  grads, logits = grad_and_logits(state, tokens, ONE_DOCUMENT)
   assert logits.shape == (BATCH, LENGTH, 61) and logits.dtype == jnp.float32
   assert bool(jnp.isfinite(logits).all())
   # Causality: changing token j changes no logits before j, and does change logits from j on.
   j = 11
-  _, changed = grad_and_logits(state, tokens.at[:, j].set((tokens[:, j] + 1) % 61))
+  _, changed = grad_and_logits(state, tokens.at[:, j].set((tokens[:, j] + 1) % 61), ONE_DOCUMENT)
   np.testing.assert_allclose(changed[:, :j], logits[:, :j], atol=1e-5, rtol=0)
   assert float(jnp.abs(changed[:, j:] - logits[:, j:]).max()) > 1e-4
   grads = jax.tree.leaves(grads)
@@ -157,20 +171,14 @@ def test_shapes_causality_and_gradients(name, position, backend, window, feed_fo
 @pytest.mark.parametrize(PARAMETERS, VARIANTS)
 def test_prefill_in_chunks_then_decode_matches_full_forward(name, position, backend, window,
                                                             feed_forward):
-  """forward([a; b; c...]) == prefill(a), prefill(b) from a's state, then one token at a time."""
-  state, grad_and_logits, _, decode, cache = _compiled(name, position, backend, window,
-                                                       feed_forward)
+  """forward([a; b; c...]) == prefill(a), prefill(b) from a's state, then one token at a time
+  (decoding passes no segment ids; the forward pass, rows of one document each)."""
+  state, grad_and_logits, _, decode = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens(1)
-  expected = grad_and_logits(state, tokens)[1]
-  middle = PREFILL + SECOND_CHUNK
-  first, cache = decode(state, tokens[:, :PREFILL], cache)
-  second, cache = decode(state, tokens[:, PREFILL:middle], cache)
-  steps = [first, second]
-  for t in range(middle, LENGTH):
-    logits, cache = decode(state, tokens[:, t:t + 1], cache)
-    steps.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), expected, atol=2e-4, rtol=2e-4)
-  assert int(cache["index"]) == LENGTH
+  expected = grad_and_logits(state, tokens, ONE_DOCUMENT)[1]
+  logits, index = decode(state, tokens)
+  np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=2e-4)
+  assert int(index) == LENGTH
 
 
 # Sharding depends on the parameters' logical axes: each mixer's own (run with `none`), each
@@ -202,11 +210,9 @@ SHARDED = list(_sharded())
 _SHARDED_VALUES = {tuple(v.values) for v in SHARDED}
 
 
-def _forward_of(state, forward, sharded):
-  """forward(tokens, segments) on one device, or on the mesh with the sharding rules (then also
-  the sharded state, to check that something was sharded)."""
-  if not sharded:
-    return (lambda tokens, segments: forward(state, tokens, segments)), state
+def _on_mesh(state, forward):
+  """forward(tokens, segments) on the mesh with the sharding rules, and the sharded state (to
+  check that something was sharded)."""
   mesh = sharding.make_mesh((2, 2, 2))
   sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
 
@@ -223,34 +229,36 @@ def test_packed_documents_equal_each_document_alone(name, position, backend, win
   """A row of packed documents (segment ids, positions restarting per document) gives each
   document the logits it gets alone, at the start of a row (causality makes what follows it in
   that row irrelevant, so one compiled shape serves every document; a row of one segment is a
-  document alone). On the mesh for the SHARDED variants: one compiled forward per variant."""
-  state, _, forward, _, _ = _compiled(name, position, backend, window, feed_forward)
-  variant = (name, position, backend, window, feed_forward)
-  run, _ = _forward_of(state, forward, sharded=variant in _SHARDED_VALUES)
+  document alone). On the mesh for the SHARDED variants, the gradient program's logits for the
+  others: no program is compiled for this test alone."""
+  state, grad_and_logits, forward, _ = _compiled(name, position, backend, window, feed_forward)
+  if (name, position, backend, window, feed_forward) in _SHARDED_VALUES:
+    run, _ = _on_mesh(state, forward)
+  else:
+    run = lambda tokens, segments: grad_and_logits(state, tokens, segments)[1]  # noqa: E731
   tokens = _tokens(3)
-  one_document = jnp.zeros((BATCH, LENGTH), jnp.int32)
   packed = run(tokens, SEGMENTS)
   for row, segments in enumerate(SEGMENTS):
     starts = [int(np.argmax(segments == s)) for s in np.unique(segments)]
     alone = run(jnp.stack([jnp.roll(tokens[row], -start) for start in starts]
-                          + [tokens[row]] * (BATCH - len(starts))), one_document)
+                          + [tokens[row]] * (BATCH - len(starts))), ONE_DOCUMENT)
     for i, start in enumerate(starts):
       end = start + int((segments == segments[start]).sum())
       np.testing.assert_allclose(packed[row, start:end], alone[i, :end - start],
                                  atol=2e-5, rtol=2e-5)
-  unpacked = run(tokens, one_document)  # the segments made a difference
+  unpacked = run(tokens, ONE_DOCUMENT)  # the segments made a difference
   assert float(jnp.abs(unpacked[0, 6:] - packed[0, 6:]).max()) > 1e-4
 
 
 @pytest.mark.parametrize(PARAMETERS, SHARDED)
 def test_sharded_equals_unsharded(name, position, backend, window, feed_forward):
   """The forward pass on the mesh (one document per row) gives the unsharded logits (of the
-  gradient program, which runs without segment ids)."""
-  state, grad_and_logits, forward, _, _ = _compiled(name, position, backend, window, feed_forward)
+  gradient program)."""
+  state, grad_and_logits, forward, _ = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens(2)
-  expected = grad_and_logits(state, tokens)[1]
-  run, sharded_state = _forward_of(state, forward, sharded=True)
-  logits = run(tokens, np.zeros((BATCH, LENGTH), np.int32))
+  expected = grad_and_logits(state, tokens, ONE_DOCUMENT)[1]
+  run, sharded_state = _on_mesh(state, forward)
+  logits = run(tokens, ONE_DOCUMENT)
   specs = [x.sharding.spec for x in jax.tree.leaves(sharded_state)]
   assert any(any(axis is not None for axis in spec) for spec in specs), "nothing was sharded"
   np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=2e-5)

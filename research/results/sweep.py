@@ -87,8 +87,13 @@ def expand(sweep, base_config, num_devices):
   for index, overrides in enumerate(sweep):
     config = apply_overrides(base_config, overrides)
     # The experiment's shared settings apply to the members that read them (module docstring).
-    not_read_here = unread.experiment_settings_not_read(config, overrides)
-    config = unread.reset(config, not_read_here) if not_read_here else config
+    try:
+      settings = unread.unread_settings(config)
+    except ValueError:  # an invalid choice, which validation names
+      settings = None
+    not_read_here = unread.outside(settings or {}, overrides)
+    if not_read_here:  # reset: validation finds what is left unread again
+      config, settings = unread.reset(config, not_read_here), None
     never_read = dict(not_read_here) if never_read is None else {
         name: who for name, who in never_read.items() if name in not_read_here}
     name = run_name(overrides)
@@ -97,7 +102,7 @@ def expand(sweep, base_config, num_devices):
     names.add(name)
     member = Member(index, name, dict(overrides), config)
     try:
-      checks.validate_config(config, num_devices)
+      checks.validate_config(config, num_devices, unread_settings=settings)
     except model_lib.IncompatibleError as e:
       member.skip_reason = str(e)
     except ValueError as e:

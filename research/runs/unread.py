@@ -154,9 +154,10 @@ def unread_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
   return unread
 
 
-def check(config: ml_collections.ConfigDict):
-  """Raise ValueError naming every setting this config would not read, and who reads it."""
-  unread = unread_settings(config)
+def check(config: ml_collections.ConfigDict, settings: dict[str, str] | None = None):
+  """Raise ValueError naming every setting this config would not read, and who reads it.
+  `settings`: unread_settings(config), where the caller has computed it already."""
+  unread = unread_settings(config) if settings is None else settings
   if unread:
     values = defaults.flatten(config)
     raise ValueError("settings this run would not read (no setting is silently ignored): "
@@ -173,6 +174,11 @@ def experiment_settings_not_read(config: ml_collections.ConfigDict, overrides) -
     settings = unread_settings(config)
   except ValueError:
     return {}
+  return outside(settings, overrides)
+
+
+def outside(settings: dict[str, str], overrides) -> dict[str, str]:
+  """The entries of `settings` (unread settings) that no key of `overrides` sets."""
   return {name: who for name, who in settings.items()
           if not any(within(name, key) for key in overrides)}
 

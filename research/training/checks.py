@@ -46,8 +46,9 @@ def check_fields(config: ml_collections.ConfigDict):
     raise ValueError("; ".join(problems))
 
 
-def validate_config(config, num_devices, process_count=1):
-  """Raise ValueError naming what is wrong and what would be valid. Returns the mesh shape."""
+def validate_config(config, num_devices, process_count=1, *, unread_settings=None):
+  """Raise ValueError naming what is wrong and what would be valid. Returns the mesh shape.
+  `unread_settings`: research.runs.unread.unread_settings(config), where the caller has it."""
   check_fields(config)
   model_lib.validate(config.model)
   model_lib.validate_lengths(config.model, config.train.seq_len, config.eval.lengths)
@@ -98,7 +99,7 @@ def validate_config(config, num_devices, process_count=1):
   if config.eval.batch_size % batch_parallel:
     raise ValueError(f"eval.batch_size={config.eval.batch_size} must be a multiple of the "
                      f"data-parallel size data*fsdp={batch_parallel}")
-  unread.check(config)
+  unread.check(config, unread_settings)
   return shape
 
 
