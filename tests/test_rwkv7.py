@@ -245,13 +245,15 @@ def test_a_model_with_the_value_residual_decodes_as_its_forward_pass():
   @jax.jit
   def forward_and_decodes(tokens):
     full = model(tokens)
-    cache, steps = model.init_cache(2, 11), []
-    for i in range(11):
-      logits, cache = model.decode(tokens[:, i:i + 1], cache)
-      steps.append(logits)
+
+    def step(cache, token_B):  # one compiled step, scanned over the tokens
+      logits, cache = model.decode(token_B[:, None], cache)
+      return cache, logits[:, 0]
+
+    _, steps = jax.lax.scan(step, model.init_cache(2, 11), tokens.T)
     head, cache = model.prefill(tokens[:, :6], model.init_cache(2, 11))
     tail, _ = model.decode(tokens[:, 6:], cache)
-    return full, jnp.concatenate(steps, 1), jnp.concatenate([head, tail], 1)
+    return full, steps.swapaxes(0, 1), jnp.concatenate([head, tail], 1)
 
   full, stepped, chunked = forward_and_decodes(tokens)
   np.testing.assert_allclose(stepped, full, atol=1e-5, rtol=1e-5)
