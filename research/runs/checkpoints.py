@@ -27,7 +27,9 @@ commit_success.txt file marks it: `steps` lists only those). The trainer may del
 being read (rotation, train.keep_checkpoints) or write a newer one meanwhile: a read that fails
 on a checkpoint that has since vanished or changed, or that succeeds while it changed, is
 retried from the newest again (a few times; then CheckpointError says the checkpoints kept
-changing). An unreadable one is skipped, not moved (that is the trainer's job), with one line.
+changing), and so is a listing with no complete checkpoint while the directory holds something
+(the last one rotated out as its successor completes). An unreadable one is skipped, not moved
+(that is the trainer's job), with one line.
 """
 
 import contextlib
@@ -188,10 +190,13 @@ def _files(step_dir: str) -> tuple:
   return tuple(sorted(found))
 
 
-def _being_written(workdir: str) -> bool:
-  """Whether a checkpoint of `workdir` is being written (orbax's temporary directory)."""
+def _in_flux(workdir: str) -> bool:
+  """Whether the checkpoint directory of `workdir` holds anything: called when it lists no
+  complete checkpoint, something there is being written, finalised or deleted (a trainer that
+  keeps one checkpoint rotates the last out around the completion of its successor), or was
+  left half-written by a crash."""
   try:
-    return any(".orbax-checkpoint-tmp" in name for name in os.listdir(directory(workdir)))
+    return bool(os.listdir(directory(workdir)))
   except OSError:
     return False
 
@@ -209,11 +214,11 @@ def restore_params(workdir: str, abstract_params: Any, log: Callable[[str], None
   restarts = 0
   while restarts <= READ_RESTARTS:
     saved = steps(workdir)
-    if not saved and _being_written(workdir):  # rotated out before its successor is complete
-      restarts += 1
-      time.sleep(0.25)
-      continue
     if not saved:
+      if _in_flux(workdir) and restarts < READ_RESTARTS:  # rotated out as its successor completes
+        restarts += 1
+        time.sleep(0.25)
+        continue
       raise FileNotFoundError(f"no checkpoint in {directory(workdir)}; train the run first "
                               "(python -m experiments.train with this --workdir)")
     if step is not None and step not in saved:
