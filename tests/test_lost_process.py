@@ -220,11 +220,12 @@ def _losses(workdir):
 def test_a_killed_process_stops_the_other_with_one_line_and_both_resume_exactly(
     tmp_path, stop_leftovers):
   reference, resumed = str(tmp_path / "reference"), str(tmp_path / "resumed")
-  uninterrupted = _launch(reference, tmp_path)  # meanwhile, on other ports
   survivor, victim = _launch(resumed, tmp_path)
   for line in survivor.stdout:
     if line.startswith("step ") and checkpoints.steps(resumed):
       break
+  # Meanwhile, on other ports (started now, it finds its programs in the compilation cache).
+  uninterrupted = _launch(reference, tmp_path)
   # Freeze process 0, so that process 1 runs ahead and waits for it in a collective (idle), then
   # kill process 1. Killed at an arbitrary moment, process 1 may leave a message half read by
   # gloo, which then aborts process 0 at once by itself (SIGABRT, "collective mismatch"):

@@ -53,10 +53,12 @@ def _mixer(name, dtype):
   return model.blocks[0].mixer
 
 
-def constant_state_mixers(dtype):
-  """Registered mixers whose cache is the same size at a short and a long context."""
+def constant_state_mixers(dtype, among=None):
+  """Registered mixers (those named in `among`, if given) whose cache is the same size at a short
+  and a long context."""
   names = []
-  for name in attention.REGISTRY:
+  for name in attention.REGISTRY if among is None else [n for n in attention.REGISTRY
+                                                         if n in among]:
     mixer = nnx.eval_shape(lambda name=name: _mixer(name, dtype))  # shapes only, no compute
     if mixer.cache_bytes(1, 256) == mixer.cache_bytes(1, 16384):
       names.append(name)
@@ -128,9 +130,7 @@ def mixer_rows(name, settings, dtype):
 def run(args):
   settings = QUICK if args.quick else FULL
   rows = []
-  for name in constant_state_mixers(args.dtype):
-    if args.only and name not in args.only:
-      continue
+  for name in constant_state_mixers(args.dtype, among=args.only or None):
     for row in mixer_rows(name, settings, args.dtype):
       print(report.progress_line(row), flush=True)
       rows.append(row)
