@@ -57,8 +57,7 @@ def constant_state_mixers(dtype, among=None):
   """Registered mixers (those named in `among`, if given) whose cache is the same size at a short
   and a long context."""
   names = []
-  for name in attention.REGISTRY if among is None else [n for n in attention.REGISTRY
-                                                         if n in among]:
+  for name in [n for n in attention.REGISTRY if among is None or n in among]:
     mixer = nnx.eval_shape(lambda name=name: _mixer(name, dtype))  # shapes only, no compute
     if mixer.cache_bytes(1, 256) == mixer.cache_bytes(1, 16384):
       names.append(name)

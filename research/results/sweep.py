@@ -87,10 +87,7 @@ def expand(sweep, base_config, num_devices):
   for index, overrides in enumerate(sweep):
     config = apply_overrides(base_config, overrides)
     # The experiment's shared settings apply to the members that read them (module docstring).
-    try:
-      settings = unread.unread_settings(config)
-    except ValueError:  # an invalid choice, which validation names
-      settings = None
+    settings = unread.unread_settings_if_valid(config)
     not_read_here = unread.outside(settings or {}, overrides)
     if not_read_here:  # reset: validation finds what is left unread again
       config, settings = unread.reset(config, not_read_here), None

@@ -191,10 +191,10 @@ def _files(step_dir: str) -> tuple:
 
 
 def _in_flux(workdir: str) -> bool:
-  """Whether the checkpoint directory of `workdir` holds anything: called when it lists no
-  complete checkpoint, something there is being written, finalised or deleted (a trainer that
-  keeps one checkpoint rotates the last out around the completion of its successor), or was
-  left half-written by a crash."""
+  """Whether the checkpoint directory of `workdir` holds anything. Where it lists no complete
+  checkpoint, what it holds is being written, finalised or deleted (a trainer that keeps one
+  checkpoint rotates the last out around the completion of its successor), or was left
+  half-written by a crash."""
   try:
     return bool(os.listdir(directory(workdir)))
   except OSError:

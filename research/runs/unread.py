@@ -170,11 +170,15 @@ def experiment_settings_not_read(config: ml_collections.ConfigDict, overrides) -
   """{setting of the experiment file that `config` does not read: who reads it}: the unread
   settings not among `overrides` (dotted names, from the command line or a sweep member), which
   stay for validation to refuse. {} when a choice is invalid (validation names it)."""
+  return outside(unread_settings_if_valid(config) or {}, overrides)
+
+
+def unread_settings_if_valid(config: ml_collections.ConfigDict) -> dict[str, str] | None:
+  """unread_settings(config), or None when a choice is invalid (validation names it)."""
   try:
-    settings = unread_settings(config)
+    return unread_settings(config)
   except ValueError:
-    return {}
-  return outside(settings, overrides)
+    return None
 
 
 def outside(settings: dict[str, str], overrides) -> dict[str, str]:
