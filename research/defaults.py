@@ -32,6 +32,8 @@ def get_config():
   m.feed_forward_pattern = ()  # per layer, tiled to num_layers: Jamba's ("mlp", "moe")
   m.mlp_ratio = 4  # hidden width / d_model of the MLP and of each expert; 0 drops the feed-forward
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
+  m.norm = "rms_norm"  # research.norms.REGISTRY: rms_norm | layer_norm (settings: model.<norm>)
+  m.tie_embeddings = False  # the output head is the embedding table transposed (GPT-2, Llama 3.2)
   # softmax attention: auto (by length and device) | xla | blockwise | cudnn
   m.attention_backend = "auto"
   m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
@@ -47,6 +49,9 @@ def get_config():
   d.name = "stdlib_bytes"  # research.data.NAMES: corpora, synthetic tasks, needle tasks
   d.dir = ""  # prepared datasets; "" means $RESEARCH_DATA_DIR or ~/.cache/research_data
   d.corpus_path = ""  # text_dir: a directory or glob of text files
+  # Corpora: "bytes", or a directory with a Hugging Face tokenizer.json (research/data/tokenizer.py;
+  # experiments.import_hf sets it to RUN/tokenizer for a checkpoint that has one).
+  d.tokenizer = "bytes"
   d.task_vocab_size = 16  # synthetic tasks: number of symbol tokens
   d.train_min_length = 1  # synthetic tasks: training lengths U(min, max) in symbols
   d.train_max_length = 40

@@ -1,8 +1,11 @@
 """Decoder-only language model assembled from the registries.
 
   h_0 = embed(tokens) [+ position embedding term]
-  h_l = h'_l + FF_l(RMSNorm(h'_l)),  h'_l = h_{l-1} + Mixer_l(RMSNorm(h_{l-1}))   (pre-norm)
-  logits = head(RMSNorm(h_L))                                                  (float32)
+  h_l = h'_l + FF_l(Norm(h'_l)),  h'_l = h_{l-1} + Mixer_l(Norm(h_{l-1}))   (pre-norm)
+  logits = head(Norm(h_L))                                               (float32)
+Norm is model.norm (research.norms: RMSNorm by default, LayerNorm); head is its own matrix, or
+with model.tie_embeddings the embedding table transposed (logits = Norm(h_L) E^T, as GPT-2 and
+the small Llama-family checkpoints do).
 Mixer_l is model.attention, or model.layer_pattern[l % len(pattern)] for hybrids; FF_l, the
 feed-forward (research.feed_forward: an MLP, a mixture of experts), is model.feed_forward, or
 model.feed_forward_pattern[l % len(pattern)]. In a hybrid, recurrent layers (mamba) run without a
@@ -31,6 +34,7 @@ from flax import nnx
 from research import attention
 from research import feed_forward
 from research import nn
+from research import norms
 from research.attention import masks
 from research import positions as positions_lib
 from research import sharding
@@ -96,6 +100,7 @@ def validate(model_config):
   for name in ("mlp_ratio", "randomize_max_length"):
     if model_config[name] < 0:
       raise ValueError(f"model.{name} must be >= 0 (0 turns it off), got {model_config[name]}")
+  norms.validate(model_config)
   pattern = "model.feed_forward_pattern" if model_config.feed_forward_pattern else None
   for name in dict.fromkeys(feed_forward_types(model_config)):
     feed_forward.REGISTRY.lookup(name, pattern).validate(
@@ -136,13 +141,13 @@ def validate_lengths(model_config, train_length, eval_lengths):
 class Block(nnx.Module):
 
   def __init__(self, mixer, feed_forward_name, model_config, *, rngs):
-    d, dtype = model_config.d_model, nn.compute_dtype(model_config)
-    self.mixer_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype)
+    dtype = nn.compute_dtype(model_config)
+    self.mixer_norm = norms.build(model_config, rngs=rngs, dtype=dtype)
     self.mixer = mixer
     # Named `mlp` whatever the feed-forward, as before there was a choice: checkpoints keep
     # their parameter paths.
     kept = bool(model_config.mlp_ratio)
-    self.mlp_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype) if kept else None
+    self.mlp_norm = norms.build(model_config, rngs=rngs, dtype=dtype) if kept else None
     self.mlp = feed_forward.REGISTRY.lookup(feed_forward_name)(
         model_config, feed_forward.REGISTRY.settings(feed_forward_name, model_config),
         rngs=rngs) if kept else None
@@ -216,9 +221,9 @@ class LanguageModel(nnx.Module):
                         rngs=rngs, layer_index=layer)
       blocks.append(Block(mixer, feed_forward_name, model_config, rngs=rngs))
     self.blocks = nnx.List(blocks)
-    self.final_norm = nn.rms_norm(d, rngs=rngs, dtype=dtype)
-    self.head = nn.dense("BLD,DV->BLV", (d, model_config.vocab_size), ("embed", "vocab"),
-                         rngs=rngs, dtype=dtype)
+    self.final_norm = norms.build(model_config, rngs=rngs, dtype=dtype)
+    self.head = None if model_config.get("tie_embeddings", False) else nn.dense(
+        "BLD,DV->BLV", (d, model_config.vocab_size), ("embed", "vocab"), rngs=rngs, dtype=dtype)
 
   def _embed(self, tokens_BxT, positions_BxT):
     # Gather from the whole table (all-gathered, as FSDP does before any use of a parameter):
@@ -231,7 +236,12 @@ class LanguageModel(nnx.Module):
     return sharding.constrain(x, ("batch", "length", "embed"))
 
   def _logits(self, x):
-    return self.head(self.final_norm(x)).astype(jnp.float32)
+    x = self.final_norm(x)
+    if self.head is None:  # tied: the embedding table, all-gathered as in _embed
+      table_VxD = sharding.constrain(self.embed.embedding[...], (None, None))
+      return nn.token_major_einsum("BLD,VD->BLV", x, table_VxD.astype(x.dtype)).astype(
+          jnp.float32)
+    return self.head(x).astype(jnp.float32)
 
   def training_positions(self, key, batch_size, length):
     """Positions [B, L] for a training batch: 0..L-1 (shared, B = 1), or with
@@ -338,7 +348,8 @@ def _size(module):
 
 def count_params(model, *, embeddings=True):
   """Number of parameters. embeddings=False counts only those used in matmuls per token (for
-  FLOPs): without the token embedding table, the position schemes' parameters and the experts of
+  FLOPs): without the token embedding table (unless tied: then it is the head), the position
+  schemes' parameters and the experts of
   a mixture of experts that a token is not routed to."""
   total = _size(model)
   if embeddings:
@@ -347,4 +358,5 @@ def count_params(model, *, embeddings=True):
   schemes = sum(_size(m) for m in modules if isinstance(m, positions_lib.PositionScheme))
   idle = sum(m.idle_params_per_token() for m in modules
              if isinstance(m, feed_forward.FeedForward))
-  return total - _size(model.embed) - schemes - idle
+  table = 0 if model.head is None else _size(model.embed)  # a tied table is the head's matmul
+  return total - table - schemes - idle

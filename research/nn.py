@@ -94,11 +94,6 @@ def dense(einsum, shape, axes, *, rngs, dtype, bias_shape=None, bias_axes=None,
       bias_metadata={"logical_axes": tuple(bias_axes or ()), "weight_decay": False}, rngs=rngs)
 
 
-def rms_norm(d_model, *, rngs, dtype):
-  return nnx.RMSNorm(d_model, dtype=dtype, param_dtype=jnp.float32,
-                     scale_metadata={"logical_axes": ("embed",), "weight_decay": False}, rngs=rngs)
-
-
 def embed(num_embeddings, features, axes, *, rngs, dtype, stddev, weight_decay=True):
   """An `nnx.Embed` table with normal(stddev) initialisation and annotated parameters."""
   return nnx.Embed(num_embeddings, features, dtype=dtype, param_dtype=jnp.float32,

@@ -1,4 +1,4 @@
-"""The three variant registries together: mixers, position schemes, feed-forwards.
+"""The variant registries together: mixers, position schemes, feed-forwards, norms.
 
 Everything that enumerates variants across registries (the default config's sub-dicts, the
 conformance suite's small settings, the generated variant tables of README.md and docs/) reads
@@ -11,9 +11,10 @@ import sys
 
 from research import attention
 from research import feed_forward
+from research import norms
 from research import positions
 
-REGISTRIES = (attention.REGISTRY, positions.REGISTRY, feed_forward.REGISTRY)
+REGISTRIES = (attention.REGISTRY, positions.REGISTRY, feed_forward.REGISTRY, norms.REGISTRY)
 
 
 def registry_state() -> tuple:

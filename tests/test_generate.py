@@ -141,7 +141,7 @@ def test_bad_workdirs_fail_naming_what_is_valid(trained_run, tmp_path):
   with pytest.raises(FileNotFoundError, match="has no checkpoint yet; train it first"):
     generate.generation_config(str(untrained))
   task = _copy_with_config(trained_run, tmp_path, **{"data.name": "copy"})
-  with pytest.raises(ValueError, match="generation needs a byte-level run"):
+  with pytest.raises(ValueError, match="generation needs a text run"):
     generate.generation_config(task)
 
 

@@ -17,7 +17,7 @@ from research.analysis import base
 from research.analysis import heads
 from research.analysis import plots as head_plots
 from research.analysis import trained
-from research.evaluation import generate
+from research.data import tokenizer
 
 
 def attention_maps(run: trained.Checkpoints, name: str, out: str,
@@ -26,15 +26,16 @@ def attention_maps(run: trained.Checkpoints, name: str, out: str,
   layers = base.map_layers(config)
   step, state = run.state()
   if settings.text:
-    if data.vocab_size(config) != data.BYTE_VOCAB_SIZE:
-      raise ValueError(f"--text needs a byte-level run; {name} is the task "
+    if not data.is_language_modeling(config) and config.data.name not in data.NEEDLE_NAMES:
+      raise ValueError(f"--text needs a text run; {name} is the task "
                        f"{config.data.name!r} (leave --text empty for random tokens)")
-    tokens = np.asarray([generate.encode(settings.text)], np.int32)
+    text_tokens = tokenizer.get(config)
+    tokens = np.asarray([text_tokens.encode(settings.text)], np.int32)
     table = positions.max_length(config.model)
     if table is not None and tokens.shape[1] > table:
-      raise ValueError(f"--text has {tokens.shape[1]} bytes, more than the {table} positions of "
+      raise ValueError(f"--text has {tokens.shape[1]} tokens, more than the {table} positions of "
                        f"the {config.model.position!r} table")
-    shown, labels = {"inputs": tokens}, [chr(t) if 32 <= t < 127 else "·" for t in tokens[0]]
+    shown, labels = {"inputs": tokens}, [text_tokens.label(t) for t in tokens[0]]
   else:
     shown, _ = base.repeated(config, dataclasses.replace(settings, num_sequences=1))
     labels = None

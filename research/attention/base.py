@@ -158,21 +158,25 @@ def states_entering_chunks(h0, decays, added, axis):
 
 
 def head_projection(d_model, heads, head_dim, heads_axis, *, rngs, dtype,
-                    init=nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))):
-  """x [B, L, D] -> [B, L, heads, H], the kernel's axes (embed, heads_axis, head_dim).
+                    init=nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)), bias=False):
+  """x [B, L, D] -> [B, L, heads, H], the kernel's axes (embed, heads_axis, head_dim); with
+  `bias` plus a [heads, H] bias (zeros at init).
 
   The default init is LeCun normal with fan-in d_model (the kernel's first axis), as a
   [D, heads * H] dense layer; plain lecun_normal() would read the [D, heads, H] kernel as fan-in
   heads * D and start every head sqrt(heads) too small."""
   return nn.dense("BLD,DNH->BLNH", (d_model, heads, head_dim), ("embed", heads_axis, "head_dim"),
-                  rngs=rngs, dtype=dtype, init=init)
+                  rngs=rngs, dtype=dtype, init=init,
+                  bias_shape=(heads, head_dim) if bias else None,
+                  bias_axes=(heads_axis, "head_dim") if bias else None)
 
 
 def output_projection(heads, head_dim, d_model, *, rngs, dtype,
-                      init=nnx.initializers.lecun_normal()):
-  """[B, L, N, H] -> [B, L, D]."""
+                      init=nnx.initializers.lecun_normal(), bias=False):
+  """[B, L, N, H] -> [B, L, D] (with `bias`, plus a [D] bias)."""
   return nn.dense("BLNH,NHD->BLD", (heads, head_dim, d_model), ("heads", "head_dim", "embed"),
-                  rngs=rngs, dtype=dtype, init=init)
+                  rngs=rngs, dtype=dtype, init=init, bias_shape=(d_model,) if bias else None,
+                  bias_axes=("embed",) if bias else None)
 
 
 def new_positions(index, num_tokens):

@@ -139,6 +139,10 @@ class DifferentialAttention(softmax.SoftmaxAttention):
                        "are twice as wide as its queries and keys (2d vs d), which "
                        "jax.nn.dot_product_attention's cuDNN path refuses; use 'blockwise', "
                        "'xla' or 'auto'")
+    if settings.get("projection_bias", "none") != "none":
+      raise ValueError(f"attention 'diff' has no projection biases (its reference code's "
+                       f"projections have none); set model.softmax.projection_bias='none', got "
+                       f"{settings.projection_bias!r}")
     super().validate(settings, model_config)
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):

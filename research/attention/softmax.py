@@ -48,6 +48,8 @@ from research.positions import BIAS, CONTEXT, QK
 BACKENDS = core.BACKENDS
 # model.softmax.sink_positions: the positions the sinks are seen at (see SoftmaxAttention).
 SINK_POSITIONS = ("cache", "original")
+# model.softmax.projection_bias: which projections have a bias.
+PROJECTION_BIASES = ("none", "qkv", "all")
 
 
 class SoftmaxAttention(base.Mixer):
@@ -59,7 +61,10 @@ class SoftmaxAttention(base.Mixer):
                      # how the position scheme sees a sink outside the window: "cache"
                      # (StreamingLLM's pos_shift: at its slot in the rolling cache, so every
                      # distance is < sinks + window) or "original" (its token's own position)
-                     "sink_positions": "cache"}
+                     "sink_positions": "cache",
+                     # biases of the projections: "none", "qkv" (Qwen2's) or "all" (q, k, v and
+                     # the output: GPT-2's, Llama's attention_bias); zeros at init
+                     "projection_bias": "none"}
   test_settings = {"block_size": 8}
   position_hooks = frozenset({QK, BIAS})
   backends = BACKENDS
@@ -121,6 +126,9 @@ class SoftmaxAttention(base.Mixer):
       raise ValueError(f"model.softmax.block_size must be >= 1, got {settings.block_size}")
     masks.check_window(settings.window, settings.sinks)
     cls._check_contextual(settings, model_config)
+    if settings.get("projection_bias", "none") not in PROJECTION_BIASES:
+      raise ValueError(f"unknown model.softmax.projection_bias {settings.projection_bias!r}; "
+                       f"valid: {', '.join(map(repr, PROJECTION_BIASES))}")
     if settings.sink_positions not in SINK_POSITIONS:
       raise ValueError(f"unknown model.softmax.sink_positions {settings.sink_positions!r}; valid: "
                        f"{', '.join(map(repr, SINK_POSITIONS))} (StreamingLLM's positions in the "
@@ -155,10 +163,13 @@ class SoftmaxAttention(base.Mixer):
     self.sink_positions = str(settings.get("sink_positions", "original"))
     self.kv_cache = KVCache(k, self.mask)
     self.dtype = nn.compute_dtype(model_config)
-    self.query = base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype)
-    self.key = base.head_projection(d, k, h, "kv_heads", rngs=rngs, dtype=self.dtype)
-    self.value = base.head_projection(d, k, v, "kv_heads", rngs=rngs, dtype=self.dtype)
-    self.out = base.output_projection(n, v, d, rngs=rngs, dtype=self.dtype)
+    biases = str(settings.get("projection_bias", "none"))
+    qkv = biases != "none"
+    self.query = base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype, bias=qkv)
+    self.key = base.head_projection(d, k, h, "kv_heads", rngs=rngs, dtype=self.dtype, bias=qkv)
+    self.value = base.head_projection(d, k, v, "kv_heads", rngs=rngs, dtype=self.dtype, bias=qkv)
+    self.out = base.output_projection(n, v, d, rngs=rngs, dtype=self.dtype,
+                                      bias=biases == "all")
 
   # What a subclass changes: the mask, the projections, the score function's per-token inputs,
   # the score.

@@ -23,6 +23,7 @@ from research.data import builders
 from research.data import corpus
 from research.data import needles
 from research.data import tasks
+from research.data import tokenizer
 from research.data import vocab
 
 SYMBOL_TASK_NAMES = tuple(tasks.TASKS)
@@ -74,7 +75,9 @@ def is_language_modeling(config):
 
 def vocab_size(config):
   """Number of token ids the configured dataset uses."""
-  if is_language_modeling(config) or config.data.name in NEEDLE_NAMES:
+  if is_language_modeling(config):
+    return tokenizer.get(config).vocab_size
+  if config.data.name in NEEDLE_NAMES:
     return vocab.BYTE_VOCAB_SIZE
   return vocab.TaskVocab(config.data.task_vocab_size).size
 

@@ -37,8 +37,9 @@ def documents(config) -> bool:
   return config.data.packing == "documents"
 
 
-def annotate(batch: dict, lengths: np.ndarray | None = None) -> dict:
-  """`batch` with int32 `segments` and `positions` [B, L] and EOD's loss mask set to 0.
+def annotate(batch: dict, lengths: np.ndarray | None = None, eod: int = vocab.EOD) -> dict:
+  """`batch` with int32 `segments` and `positions` [B, L] and the end-of-document token's (`eod`:
+  the tokenizer's) loss mask set to 0.
 
   lengths: the number of real (non-PAD) inputs of each row, for right-padded evaluation windows;
   None when every input is real.
@@ -46,7 +47,7 @@ def annotate(batch: dict, lengths: np.ndarray | None = None) -> dict:
   inputs = batch["inputs"]
   length = inputs.shape[1]
   starts = np.zeros(inputs.shape, bool)
-  starts[:, 1:] = inputs[:, :-1] == vocab.EOD
+  starts[:, 1:] = inputs[:, :-1] == eod
   if lengths is not None:
     padded = np.flatnonzero((0 < lengths) & (lengths < length))
     starts[padded, lengths[padded]] = True
@@ -54,4 +55,4 @@ def annotate(batch: dict, lengths: np.ndarray | None = None) -> dict:
   first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
   return dict(batch, segments=np.cumsum(starts, axis=1, dtype=np.int32),
               positions=(index - first).astype(np.int32),
-              loss_mask=batch["loss_mask"] * (inputs != vocab.EOD).astype(np.float32))
+              loss_mask=batch["loss_mask"] * (inputs != eod).astype(np.float32))

@@ -36,7 +36,7 @@ from research.data import catalog
 from research.data import packing
 from research.data import storage
 from research.data import validation
-from research.data import vocab
+from research.data import tokenizer
 
 _READY = set()
 
@@ -80,12 +80,13 @@ def train_batch(config, step, process_index=0, process_count=1):
         np.int32)
     return {"inputs": inputs, "targets": sequences[:, 1:],
             "loss_mask": mask[chosen].astype(np.float32)}
-  stream = storage.token_stream(dataset, data_dir, "train")
+  tokens = tokenizer.get(config)
+  stream = storage.token_stream(dataset, data_dir, "train", tokens)
   starts = rng.integers(0, len(stream) - seq_len, batch_size)[rows]
   windows = stream[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
   batch = {"inputs": windows[:, :-1], "targets": windows[:, 1:],
            "loss_mask": np.ones((local, seq_len), np.float32)}
-  return packing.annotate(batch) if packing.documents(config) else batch
+  return packing.annotate(batch, eod=tokens.eod) if packing.documents(config) else batch
 
 
 def lm_windows(num_tokens, length, mode, stride):
@@ -104,18 +105,19 @@ def lm_windows(num_tokens, length, mode, stride):
   return windows
 
 
-def _lm_batches(stream, windows, length, batch_size, documents=False):
+def _lm_batches(stream, windows, length, batch_size, tokens, documents=False):
   for first in range(0, len(windows), batch_size):
     chunk = windows[first:first + batch_size]
-    batch = {"inputs": np.full((len(chunk), length), vocab.PAD, np.int32),
-             "targets": np.full((len(chunk), length), vocab.PAD, np.int32),
+    batch = {"inputs": np.full((len(chunk), length), tokens.pad, np.int32),
+             "targets": np.full((len(chunk), length), tokens.pad, np.int32),
              "loss_mask": np.zeros((len(chunk), length), np.float32)}
     for row, (start, scored_from, end) in enumerate(chunk):
       batch["inputs"][row, :end - start] = stream[start:end]
       batch["targets"][row, :end - start] = stream[start + 1:end + 1]
       batch["loss_mask"][row, scored_from - start:end - start] = 1
     if documents:
-      batch = packing.annotate(batch, np.array([end - start for start, _, end in chunk]))
+      batch = packing.annotate(batch, np.array([end - start for start, _, end in chunk]),
+                               tokens.eod)
     yield batch
 
 
@@ -153,7 +155,8 @@ def eval_batches(config, length, mode, split="validation", depth=None):
   if dataset.files and all(f.split != split for f in dataset.files):
     raise ValueError(f"the {split} split of {dataset.name} has no files (a file's split is a hash "
                      "of its path, ~90/5/5): use a larger corpus or another split")
-  stream = storage.token_stream(dataset, data_dir, split)
+  tokens = tokenizer.get(config)
+  stream = storage.token_stream(dataset, data_dir, split, tokens)
   num_tokens = min(config.eval.num_tokens, len(stream) - 1)
   if not 0 < length <= num_tokens:
     raise ValueError(
@@ -164,4 +167,5 @@ def eval_batches(config, length, mode, split="validation", depth=None):
     raise ValueError(f"sliding-window stride {stride} (eval.sliding_stride, 0 meaning "
                      f"train.seq_len // 2) must be in 1..{length} for eval length {length}")
   windows = lm_windows(num_tokens, length, mode, stride)
-  return _lm_batches(stream, windows, length, config.eval.batch_size, packing.documents(config))
+  return _lm_batches(stream, windows, length, config.eval.batch_size, tokens,
+                     packing.documents(config))

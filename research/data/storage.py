@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from research.data import catalog
-from research.data import vocab
+from research.data import tokenizer
 
 tfds.disable_progress_bar()  # preparation is quick and logs one line; bars flood job logs
 
@@ -151,29 +151,30 @@ def example_inputs(dataset, data_dir, split):
   return _EXAMPLES[key]
 
 
-def _write_stream(documents, text_feature, path):
+def _write_stream(documents, text_feature, path, tokens):
   os.makedirs(os.path.dirname(path), exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".incomplete-")
-  eod = np.array([vocab.EOD], STREAM_DTYPE).tobytes()
+  eod = np.array([tokens.eod], tokens.dtype).tobytes()
   with os.fdopen(fd, "wb") as f:
     for i in range(len(documents)):
-      text = documents[i][text_feature]
-      text = text.encode() if isinstance(text, str) else text
-      f.write(np.frombuffer(text, np.uint8).astype(STREAM_DTYPE).tobytes() + eod)
+      f.write(tokens.encode(documents[i][text_feature]).astype(tokens.dtype).tobytes() + eod)
   os.chmod(tmp, 0o644)  # mkstemp makes it private; the prepared data is shared
   os.replace(tmp, path)
 
 
-def token_stream(dataset, data_dir, split):
-  """The packed token stream of a corpus split, as a read-only uint16 array."""
+def token_stream(dataset, data_dir, split, tokens=tokenizer.ByteTokenizer()):
+  """The packed token stream of a corpus split as `tokens` (research.data.tokenizer) encodes it,
+  a read-only array (uint16 for bytes, uint32 for a tokenizer), written once per tokenizer."""
   tfds_split = dataset.splits[split]
-  key = (dataset.tfds_name, data_dir, tfds_split)
+  key = (dataset.tfds_name, data_dir, tfds_split, tokens.digest)
   if key not in _STREAMS:
-    path = os.path.join(data_dir, "streams", dataset.tfds_name, dataset.version,
-                        f"{tfds_split}.uint16")
+    streams = os.path.join(data_dir, "streams", *([f"tokenizer_{tokens.digest}"]
+                                                   if tokens.digest else []))
+    path = os.path.join(streams, dataset.tfds_name, dataset.version,
+                        f"{tfds_split}.{'uint16' if tokens.dtype.itemsize == 2 else 'uint32'}")
     if not os.path.exists(path):
-      _write_stream(source(dataset, data_dir, tfds_split), dataset.text_feature, path)
+      _write_stream(source(dataset, data_dir, tfds_split), dataset.text_feature, path, tokens)
     if os.path.getsize(path) == 0:
       raise ValueError(f"the {split} split of data.name={dataset.name!r} has no documents")
-    _STREAMS[key] = np.memmap(path, dtype=STREAM_DTYPE, mode="r")
+    _STREAMS[key] = np.memmap(path, dtype=tokens.dtype, mode="r")
   return _STREAMS[key]

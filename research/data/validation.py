@@ -8,6 +8,7 @@ from research.data import needles
 from research.data import packing
 from research.data import storage
 from research.data import tasks
+from research.data import tokenizer
 
 EVAL_MODES = ("nonoverlapping", "sliding")
 EVAL_SPLITS = builders.EVAL_SPLITS  # what eval.splits may name
@@ -45,6 +46,11 @@ def _problems(config):
     problems.append(f"train.batch_size={t.batch_size} is not divisible by "
                     f"distributed.num_processes={config.distributed.num_processes}")
   problems += _packing_problems(config)
+  if d.name not in catalog.TASK_NAMES:  # a task's own ids: research.runs.unread refuses it
+    try:
+      tokenizer.check(d.get("tokenizer", tokenizer.BYTES))
+    except ValueError as e:
+      problems.append(str(e))
   if problems:  # the checks below assume positive sizes
     return problems
   if d.name in catalog.NEEDLE_NAMES:

@@ -1,4 +1,4 @@
-"""Text generation from a trained byte-level run: prefill the prompt, then one decode step per
+"""Text generation from a trained run: prefill the prompt, then one decode step per
 new token.
 
   logits_P, cache = prefill(x_1 .. x_P)                 one chunk-parallel pass over the prompt
@@ -14,8 +14,10 @@ cache length) whatever the sampling settings (temperature and top_k are traced),
 times exclude compilation: prefill tokens/s = P / its seconds; decode tokens/s = (N - 1) / the
 seconds of the N - 1 jitted steps (the first new token comes from the prefill's logits).
 
-Tokens are bytes (research.data.vocab): the prompt is UTF-8 encoded, and the text of the new
-tokens ends at the first end-of-document token, decoded with errors="replace".
+Tokens are the run's data.tokenizer's (research.data.tokenizer): UTF-8 bytes by default, or a
+Hugging Face tokenizer.json (an imported checkpoint's); the text of the new tokens ends at the
+first end-of-document token (the tokenizer's end of sequence), bytes decoded with
+errors="replace".
 """
 
 import dataclasses
@@ -33,7 +35,7 @@ from research import model as model_lib
 from research import positions
 from research import sharding
 from research.runs import workdirs
-from research.data import vocab
+from research.data import tokenizer
 
 # Config fields a generation may change: they change how the trained weights are applied, not
 # their shapes (the rotary context extensions, the softmax backend, and a sliding window with
@@ -44,14 +46,13 @@ GENERATION_FIELDS = config_fields.ROTARY_SCALING_FIELDS + (
 
 
 def encode(text: str) -> list[int]:
-  return list(text.encode("utf-8"))
+  """The UTF-8 bytes of `text` (a byte-level run's tokens)."""
+  return tokenizer.ByteTokenizer.encode(text).tolist()
 
 
 def text(tokens) -> str:
   """The bytes of `tokens` up to the first end-of-document token, as UTF-8 (errors replaced)."""
-  tokens = list(tokens)
-  end = tokens.index(vocab.EOD) if vocab.EOD in tokens else len(tokens)
-  return bytes(t for t in tokens[:end] if t < 256).decode("utf-8", errors="replace")
+  return tokenizer.ByteTokenizer().decode(tokens)
 
 
 def sample(logits_BxV, key, temperature, top_k):
@@ -120,9 +121,9 @@ def generation_config(workdir, overrides=None):
     raise ValueError(f"generation may change only {', '.join(GENERATION_FIELDS)}, not "
                      f"{', '.join(others)} (they would not match the trained weights)")
   config.update_from_flattened_dict(overrides)
-  if data.vocab_size(config) != vocab.BYTE_VOCAB_SIZE:
+  if not data.is_language_modeling(config) and config.data.name not in data.NEEDLE_NAMES:
     raise ValueError(f"data.name={config.data.name!r} is a synthetic task with its own symbols; "
-                     "generation needs a byte-level run (a corpus or a needle task)")
+                     "generation needs a text run (a corpus or a needle task)")
   model_lib.validate(config.model)
   return config
 
@@ -148,10 +149,13 @@ class Generation:
   prefill_seconds: float
   decode_seconds: float  # the N - 1 one-token steps
   compile_seconds: float
+  # The run's tokenizer (research.data.tokenizer, data.tokenizer), which `text` decodes with.
+  decoder: object = dataclasses.field(default=tokenizer.ByteTokenizer(), repr=False,
+                                      compare=False)
 
   @property
   def text(self):
-    return text(self.tokens)
+    return self.decoder.decode(self.tokens)
 
   @property
   def prefill_tokens_per_second(self):
@@ -233,11 +237,13 @@ def generate_from_run(workdir, prompt, max_new_tokens, *, temperature=0.0, top_k
   """(checkpoint step, Generation) of `prompt` (text) continued by the run in `workdir`; every
   check of the run and the settings comes before anything is restored or compiled."""
   config = generation_config(workdir, overrides)
-  prompt_tokens = encode(prompt)
+  tokens = tokenizer.get(config)
+  prompt_tokens = tokens.encode(prompt).tolist()
   check_settings(prompt_tokens, max_new_tokens, temperature, top_k, cache_length,
                  config.model.vocab_size)
   cache_length = check_lengths(abstract_model(config), config.model,
                                len(prompt_tokens) + max_new_tokens, cache_length)
   step, model = restore(config, workdir, log=log)
-  return step, Generator(model).generate(prompt_tokens, max_new_tokens, temperature=temperature,
+  generation = Generator(model).generate(prompt_tokens, max_new_tokens, temperature=temperature,
                                          top_k=top_k, seed=seed, cache_length=cache_length)
+  return step, dataclasses.replace(generation, decoder=tokens)

@@ -38,6 +38,11 @@ length); each follows the code its authors published, as HF transformers' modeli
                m = 0.1 ln s + 1 multiplies cos and sin in the reference code, so the logits
                carry m^2: here `logit_scale()`, taken by softmax attention only (linear
                attention and retention have no softmax).
+  llama3       Llama 3.1's (meta-llama/llama-models, HF `_compute_llama3_parameters`): with the
+               wavelength w_i = 2 pi / theta_i and lo = L / low_freq_factor, hi = L /
+               high_freq_factor: theta_i / s where w_i > lo, theta_i where w_i < hi, and between
+               them (1 - a) theta_i / s + a theta_i with a = (L / w_i - low_freq_factor) /
+               (high_freq_factor - low_freq_factor).
 `rotate` itself is a pure rotation under every scaling.
 """
 
@@ -47,7 +52,7 @@ import jax.numpy as jnp
 
 from research.positions import base
 
-SCALINGS = ("none", "pi", "static_ntk", "dynamic_ntk", "yarn")
+SCALINGS = ("none", "pi", "static_ntk", "dynamic_ntk", "yarn", "llama3")
 # The exponent schedules of theta_i = base^(-e_i) (a geometry's rotary_frequencies).
 FREQUENCIES = ("rope", "retnet")
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
@@ -91,7 +96,9 @@ def scaling_for_length(scaling, eval_length, train_length):
 
 class RoPE(base.PositionScheme):
   hyperparameters = {"base": 10000.0, "scaling": "none", "scaling_factor": 1.0,
-                     "original_length": 128}
+                     "original_length": 128,
+                     # llama3 scaling only: the wavelength band L / high .. L / low that blends
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0}
   test_settings = {"original_length": 16}
   rotary = True
 
@@ -101,6 +108,8 @@ class RoPE(base.PositionScheme):
     self.scaling = settings.scaling
     self.factor = float(settings.scaling_factor)
     self.original_length = int(settings.original_length)
+    self.low_freq_factor = float(settings.get("low_freq_factor", 1.0))
+    self.high_freq_factor = float(settings.get("high_freq_factor", 4.0))
     self.rotary_dims = geometry.rotary_dims
     self.frequencies = geometry.rotary_frequencies
 
@@ -125,6 +134,10 @@ class RoPE(base.PositionScheme):
       raise ValueError(f"the rotary scaling_factor must be >= 1, got {settings.scaling_factor}")
     if settings.original_length < 1:
       raise ValueError(f"the rotary original_length must be >= 1, got {settings.original_length}")
+    if settings.scaling == "llama3" and not 0 < settings.low_freq_factor < settings.high_freq_factor:
+      raise ValueError(f"llama3 scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                       f"{settings.low_freq_factor} and {settings.high_freq_factor} (Llama 3.1: "
+                       "1 and 4)")
 
   def inverse_frequencies(self, positions_BxL=None):
     """theta_i for i < rotary_dims / 2, after scaling, float32 [rotary_dims / 2]."""
@@ -144,7 +157,19 @@ class RoPE(base.PositionScheme):
       high = high + 0.001 if low == high else high
       ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
       theta = theta / s * ramp + theta * (1 - ramp)
+    if self.scaling == "llama3":
+      theta = self._llama3(theta)
     return theta
+
+  def _llama3(self, theta):
+    s, length = self.factor, self.original_length
+    low, high = self.low_freq_factor, self.high_freq_factor
+    wavelength = 2 * math.pi / theta
+    blend = (length / wavelength - low) / (high - low)
+    blended = (1 - blend) * theta / s + blend * theta
+    scaled = jnp.where(wavelength > length / low, theta / s, theta)
+    return jnp.where((wavelength >= length / high) & (wavelength <= length / low), blended,
+                     scaled)
 
   def rotate(self, x_BxLxNxH, positions_BxL):
     """x with each pair (x[2i], x[2i+1]) of its rotary dims rotated by position * theta_i; a

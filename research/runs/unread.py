@@ -24,6 +24,7 @@ from research import attention
 from research import defaults
 from research import feed_forward
 from research import model as model_lib
+from research import norms
 from research import positions
 from research import variants
 from research.data import catalog
@@ -36,7 +37,8 @@ def _used_variants(config) -> dict[str, str]:
   used = {}
   for registry, names in [(attention.REGISTRY, model_lib.layer_types(m)),
                           (positions.REGISTRY, (m.position,)),
-                          (feed_forward.REGISTRY, model_lib.feed_forward_types(m))]:
+                          (feed_forward.REGISTRY, model_lib.feed_forward_types(m)),
+                          (norms.REGISTRY, (m.norm,))]:
     for name in dict.fromkeys(names):
       key = registry.settings_key(name)
       if key in m and isinstance(m[key], ml_collections.ConfigDict):
@@ -51,6 +53,7 @@ def _rules(config) -> Iterator[tuple[str, bool, str]]:
   language_modeling = name not in catalog.TASK_NAMES
   symbol_task = name in catalog.SYMBOL_TASK_NAMES
   yield "data.corpus_path", name == "text_dir", "data.name=text_dir"
+  yield "data.tokenizer", language_modeling, "the language-modeling corpora"
   yield "data.task_vocab_size", symbol_task, "the synthetic tasks"
   for field in ("train_min_length", "train_max_length"):
     yield (f"data.{field}", symbol_task and name != "mqar" and name not in mad.TASKS,
@@ -114,7 +117,7 @@ def variant_sections() -> set[str]:
 def _owners(section: str) -> str:
   key = section.split(".", 1)[1]
   fields = [("model.attention", attention.REGISTRY), ("model.position", positions.REGISTRY),
-            ("model.feed_forward", feed_forward.REGISTRY)]
+            ("model.feed_forward", feed_forward.REGISTRY), ("model.norm", norms.REGISTRY)]
   return " or ".join(f"{field}={'|'.join(names)}" for field, registry in fields
                      if (names := [n for n in registry if registry.settings_key(n) == key]))
 

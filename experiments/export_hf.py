@@ -1,0 +1,32 @@
+"""Write a run of the lab as a Hugging Face checkpoint directory that transformers loads.
+
+  python -m experiments.export_hf --workdir=runs/demo/runs/gqa_rope --checkpoint=/tmp/gqa_hf
+  python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('/tmp/gqa_hf')"
+
+The compatible subset: mha / mqa / gqa with rope (its scalings but static_ntk), swiglu and
+rms_norm; projection biases none or all (LlamaForCausalLM), qkv (Qwen2ForCausalLM), or a sliding
+window without biases (MistralForCausalLM). Anything else is refused, naming it, before anything
+is written. Exports the newest readable checkpoint, or --step.
+"""
+
+from absl import flags
+from absl import logging
+
+from experiments import cli
+from research.pretrained import convert
+
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None,
+                                  "The new checkpoint directory (absent or empty).")
+_STEP = flags.DEFINE_integer("step", None, "The checkpoint step to export; default: the newest.")
+_WORKDIR = cli.workdir_flag("A trained run's directory (config.json and checkpoints/).")
+flags.mark_flags_as_required(["checkpoint", "workdir"])
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  convert.export_run(_WORKDIR.value, _CHECKPOINT.value, step=_STEP.value)
+
+
+if __name__ == "__main__":
+  cli.run(main)

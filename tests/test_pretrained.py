@@ -1,0 +1,213 @@
+"""Hugging Face checkpoints in and out (research/pretrained): tiny random checkpoints made here
+with transformers, imported, and compared with transformers' own logits in fp32 and greedy
+continuation; a run exported and loaded back by transformers. No network.
+
+Needs the optional extra (CI installs it): .venv/bin/pip install -r requirements-hf.txt
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+INSTALL = "the Hugging Face extra: .venv/bin/pip install -r requirements-hf.txt"
+torch = pytest.importorskip("torch", reason=INSTALL)
+transformers = pytest.importorskip("transformers", reason=INSTALL)
+
+import jax.numpy as jnp  # noqa: E402
+
+from research.evaluation import generate  # noqa: E402
+from research.pretrained import convert  # noqa: E402
+from research.pretrained import hf_weights  # noqa: E402
+from research.runs import config_fields  # noqa: E402
+
+EOS = "<|endoftext|>"
+VOCAB = 300  # above the lab's 258 byte tokens, which the run's default data needs
+LENGTH = 14
+SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=8, initializer_range=0.1)
+
+CHECKPOINTS = {
+    "llama_gqa": lambda: transformers.LlamaConfig(num_key_value_heads=2, **SIZES),
+    "llama_tied_biases": lambda: transformers.LlamaConfig(
+        num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True,
+        rms_norm_eps=1e-5, **SIZES),
+    "mistral_window": lambda: transformers.MistralConfig(num_key_value_heads=2,
+                                                         sliding_window=5, **SIZES),
+    "qwen2_mqa_biases": lambda: transformers.Qwen2Config(num_key_value_heads=1, **SIZES),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                            n_positions=32, initializer_range=0.1),
+    "mamba": lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4,
+                                              num_hidden_layers=2, time_step_rank=4),
+}
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+}
+
+
+def _save(hf_config, directory):
+  torch.manual_seed(0)
+  hf_model = transformers.AutoModelForCausalLM.from_config(
+      hf_config, attn_implementation="eager").eval()
+  hf_model.save_pretrained(directory)
+  return hf_model
+
+
+def _hf_logits(hf_model, tokens):
+  with torch.no_grad():
+    return hf_model(torch.tensor(tokens)).logits.numpy()
+
+
+def _imported(tmp_path, hf_config):
+  """(transformers model, lab model, the run directory) of a new tiny checkpoint."""
+  checkpoint, run = str(tmp_path / "hf"), str(tmp_path / "run")
+  hf_model = _save(hf_config, checkpoint)
+  convert.import_checkpoint(checkpoint, run, log=lambda line: None)
+  _, model = generate.restore(config_fields.load_saved(run), run, log=lambda line: None)
+  return hf_model, model, run
+
+
+def _relative_error(ours, theirs):
+  return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+
+
+def _tokens(seed=0):
+  return np.random.default_rng(seed).integers(0, VOCAB, (2, LENGTH))
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_an_imported_checkpoint_gives_transformers_logits_and_greedy_continuation(
+    tmp_path, name):
+  hf_model, model, _ = _imported(tmp_path, CHECKPOINTS[name]())
+  tokens = _tokens()
+  theirs = _hf_logits(hf_model, tokens)
+  assert _relative_error(np.asarray(model(jnp.asarray(tokens))), theirs) < 1e-5
+
+  prompt = [int(t) for t in tokens[0, :6]]
+  with torch.no_grad():
+    expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                 min_new_tokens=8)[0, len(prompt):].tolist()
+  ours = generate.Generator(model).generate(prompt, 8, cache_length=16).tokens
+  assert list(ours) == expected
+
+
+@pytest.mark.parametrize("kind", ROPE_SCALINGS)
+def test_each_rope_scaling_gives_transformers_logits_beyond_the_original_length(tmp_path, kind):
+  # LENGTH = 14 tokens against an original length of 8: every scaling changes the frequencies.
+  config = transformers.LlamaConfig(num_key_value_heads=2, **SIZES)
+  config.rope_parameters = {"rope_theta": 10000.0, **ROPE_SCALINGS[kind]}
+  hf_model, model, run = _imported(tmp_path, config)
+  saved = config_fields.load_saved(run).model.rope
+  assert saved.scaling == {"linear": "pi", "dynamic": "dynamic_ntk"}.get(kind, kind)
+  tokens = _tokens(1)
+  assert _relative_error(np.asarray(model(jnp.asarray(tokens))), _hf_logits(hf_model, tokens)) < 1e-5
+
+
+def test_rotary_channels_are_reordered_from_halves_to_pairs():
+  weight = np.arange(2 * 6 * 3, dtype=np.float32).reshape(2 * 6, 3)  # 2 heads of 6, d_model 3
+  kernel = hf_weights._heads(weight, 2, 6, rotary=True)  # noqa: SLF001
+  # Head 1's channels 0, 3, 1, 4, 2, 5 of transformers' layout become the lab's 0..5.
+  np.testing.assert_array_equal(kernel[:, 1], weight[[6, 9, 7, 10, 8, 11]].T)
+
+
+def test_an_exported_run_loads_in_transformers_with_the_same_logits(tmp_path):
+  hf_model, _, run = _imported(tmp_path, CHECKPOINTS["qwen2_mqa_biases"]())
+  exported = str(tmp_path / "exported")
+  convert.export_run(run, exported, log=lambda line: None)
+  original = dict(hf_model.state_dict())
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      exported, attn_implementation="eager").eval()
+  for name, value in reloaded.state_dict().items():
+    np.testing.assert_array_equal(value.numpy(), original[name].numpy(), err_msg=name)
+  tokens = _tokens(2)
+  np.testing.assert_allclose(_hf_logits(reloaded, tokens), _hf_logits(hf_model, tokens),
+                             rtol=0, atol=0)
+
+
+def test_a_checkpoint_the_lab_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+  checkpoint, run = str(tmp_path / "hf"), str(tmp_path / "run")
+  _save(transformers.LlamaConfig(num_key_value_heads=2, head_dim=16, **SIZES), checkpoint)
+  with pytest.raises(ValueError, match="head_dim=16 has no equivalent in the lab; supported: "
+                                       "hidden_size / num_attention_heads = 8"):
+    convert.import_checkpoint(checkpoint, run)
+  assert not os.path.exists(run)
+  with open(os.path.join(checkpoint, "config.json")) as f:
+    hf = json.load(f)
+  with open(os.path.join(checkpoint, "config.json"), "w") as f:
+    json.dump({**hf, "model_type": "gemma"}, f)
+  with pytest.raises(ValueError, match="model_type 'gemma' is not supported; valid: gpt2, "
+                                       "llama, mamba, mistral, qwen2"):
+    convert.import_checkpoint(checkpoint, run)
+  os.makedirs(run)
+  open(os.path.join(run, "notes.txt"), "w").close()
+  with open(os.path.join(checkpoint, "config.json"), "w") as f:
+    json.dump({**hf, "head_dim": 8}, f)
+  with pytest.raises(FileExistsError, match="is not empty"):
+    convert.import_checkpoint(checkpoint, run)
+  assert os.listdir(run) == ["notes.txt"]
+
+
+def _bpe(texts, directory):
+  """A byte-level BPE of 280 tokens trained on `texts`, saved as a Hugging Face tokenizer."""
+  import tokenizers  # noqa: PLC0415
+  bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+  bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = tokenizers.decoders.ByteLevel()
+  bpe.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
+      vocab_size=280, special_tokens=[EOS],
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  bpe.save(os.path.join(directory, "tokenizer.json"))
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": EOS}, f)
+  return bpe
+
+
+def test_an_imported_run_scores_and_continues_text_through_its_tokenizer_as_transformers(
+    tmp_path):
+  from research import data  # noqa: PLC0415
+  from research.data import catalog, storage, tokenizer  # noqa: PLC0415
+  from research.evaluation import extrapolation  # noqa: PLC0415
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  rng = np.random.default_rng(0)
+  words = ["attention", "rotary", "window", "the", "of", "key", "value", "query", "head", "a"]
+  texts = [" ".join(rng.choice(words, 40)) for _ in range(60)]
+  for i, text in enumerate(texts):
+    (corpus / f"doc{i:02d}.txt").write_text(text)
+  checkpoint, run = tmp_path / "hf", str(tmp_path / "run")
+  hf_model = _save(transformers.LlamaConfig(num_key_value_heads=2, **SIZES), str(checkpoint))
+  bpe = _bpe(texts, str(checkpoint))
+  convert.import_checkpoint(str(checkpoint), run, log=lambda line: None, overrides={
+      "data.name": "text_dir", "data.corpus_path": str(corpus), "eval.lengths": (16,),
+      "eval.modes": ("nonoverlapping",), "eval.num_tokens": 16, "eval.bootstrap_samples": 10})
+  config = config_fields.load_saved(run)
+  assert config.data.tokenizer == os.path.join(run, "tokenizer")
+  data.prepare(config)
+  (row,) = extrapolation.evaluate_run(config, run, progress=lambda line: None)
+
+  # The validation stream is the documents' BPE ids, each followed by the end-of-sequence id.
+  stream = np.asarray(storage.token_stream(catalog.resolve(config), storage.data_dir(config),
+                                           "validation", tokenizer.get(config)), np.int64)
+  eos = bpe.token_to_id(EOS)
+  first = stream[:list(stream).index(eos)]
+  assert bpe.decode(first.tolist()) in texts
+  # The lab's loss over the window is transformers' cross-entropy of the same 16 targets.
+  logits = torch.tensor(_hf_logits(hf_model, stream[None, :16]))
+  expected = torch.nn.functional.cross_entropy(logits[0], torch.tensor(stream[1:17])).item()
+  assert row["loss"] == pytest.approx(expected, rel=1e-5)
+
+  prompt = texts[0][:30]
+  _, result = generate.generate_from_run(run, prompt, 6, log=lambda line: None)
+  prompt_ids = bpe.encode(prompt).ids
+  with torch.no_grad():
+    expected_ids = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=6,
+                                     min_new_tokens=6, do_sample=False)[0, len(prompt_ids):]
+  assert list(result.prompt) == prompt_ids
+  expected_ids = expected_ids.tolist()
+  expected_ids = expected_ids[:expected_ids.index(eos)] if eos in expected_ids else expected_ids
+  assert result.text == bpe.decode(expected_ids)
