@@ -17,6 +17,12 @@ transformers = pytest.importorskip("transformers", reason=INSTALL)
 
 import jax.numpy as jnp  # noqa: E402
 
+from research import data  # noqa: E402
+from research.data import catalog  # noqa: E402
+from research.data import needles  # noqa: E402
+from research.data import storage  # noqa: E402
+from research.data import tokenizer  # noqa: E402
+from research.evaluation import extrapolation  # noqa: E402
 from research.evaluation import generate  # noqa: E402
 from research.pretrained import convert  # noqa: E402
 from research.pretrained import hf_weights  # noqa: E402
@@ -167,11 +173,11 @@ def _bpe(texts, directory):
   return bpe
 
 
-def test_an_imported_run_scores_and_continues_text_through_its_tokenizer_as_transformers(
-    tmp_path):
-  from research import data  # noqa: PLC0415
-  from research.data import catalog, storage, tokenizer  # noqa: PLC0415
-  from research.evaluation import extrapolation  # noqa: PLC0415
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+  """(transformers model, its BPE, the imported run, the corpus texts): a tiny Llama with a
+  byte-level BPE trained on a text_dir corpus of random sentences, imported with the corpus."""
+  tmp_path = tmp_path_factory.mktemp("bpe_run")
   corpus = tmp_path / "corpus"
   corpus.mkdir()
   rng = np.random.default_rng(0)
@@ -181,10 +187,25 @@ def test_an_imported_run_scores_and_continues_text_through_its_tokenizer_as_tran
     (corpus / f"doc{i:02d}.txt").write_text(text)
   checkpoint, run = tmp_path / "hf", str(tmp_path / "run")
   hf_model = _save(transformers.LlamaConfig(num_key_value_heads=2, **SIZES), str(checkpoint))
-  bpe = _bpe(texts, str(checkpoint))
+  bpe = _bpe(texts + [needles.FILLER.decode()] * 20, str(checkpoint))
   convert.import_checkpoint(str(checkpoint), run, log=lambda line: None, overrides={
       "data.name": "text_dir", "data.corpus_path": str(corpus), "eval.lengths": (16,),
       "eval.modes": ("nonoverlapping",), "eval.num_tokens": 16, "eval.bootstrap_samples": 10})
+  return hf_model, bpe, run, texts
+
+
+def _scored_cross_entropy(hf_model, tokens_NxL1, mask_NxL):
+  """transformers' mean cross-entropy over the scored targets of next-token rows."""
+  logits = torch.tensor(_hf_logits(hf_model, tokens_NxL1[:, :-1]))
+  losses = torch.nn.functional.cross_entropy(
+      logits.flatten(0, 1), torch.tensor(tokens_NxL1[:, 1:]).flatten(), reduction="none")
+  mask = torch.tensor(mask_NxL, dtype=torch.float32).flatten()
+  return float((losses * mask).sum() / mask.sum())
+
+
+def test_an_imported_run_scores_and_continues_text_through_its_tokenizer_as_transformers(
+    bpe_run):
+  hf_model, bpe, run, texts = bpe_run
   config = config_fields.load_saved(run)
   assert config.data.tokenizer == os.path.join(run, "tokenizer")
   data.prepare(config)
@@ -197,8 +218,7 @@ def test_an_imported_run_scores_and_continues_text_through_its_tokenizer_as_tran
   first = stream[:list(stream).index(eos)]
   assert bpe.decode(first.tolist()) in texts
   # The lab's loss over the window is transformers' cross-entropy of the same 16 targets.
-  logits = torch.tensor(_hf_logits(hf_model, stream[None, :16]))
-  expected = torch.nn.functional.cross_entropy(logits[0], torch.tensor(stream[1:17])).item()
+  expected = _scored_cross_entropy(hf_model, stream[None, :17], np.ones((1, 16)))
   assert row["loss"] == pytest.approx(expected, rel=1e-5)
 
   prompt = texts[0][:30]
@@ -211,3 +231,26 @@ def test_an_imported_run_scores_and_continues_text_through_its_tokenizer_as_tran
   expected_ids = expected_ids.tolist()
   expected_ids = expected_ids[:expected_ids.index(eos)] if eos in expected_ids else expected_ids
   assert result.text == bpe.decode(expected_ids)
+
+
+def test_the_passkey_task_is_rendered_then_tokenized_and_scored_on_the_key(bpe_run):
+  hf_model, bpe, run, _ = bpe_run
+  config = config_fields.load_saved(run)
+  config.data.update(name="passkey", num_eval_examples=3, num_train_examples=2)
+  config.train.seq_len = 120  # the byte-level BPE of 280 tokens merges little: ~90 without filler
+  config.eval.update(lengths=(120,), depths=(0.5,))
+  data.validate(config)
+  data.prepare(config)
+  row = extrapolation.evaluate_run(config, run, progress=lambda line: None)[0]  # depth 0.5
+  assert row["depth"] == 0.5 and row["tokens"] == 3 * 5  # the 5 digits of each key, scored
+  tokens, mask = storage.example_arrays(catalog.resolve(config), storage.data_dir(config),
+                                        "validation_120_depth0")
+  tokens, mask = np.asarray(tokens, np.int64), np.asarray(mask)
+  assert tokens.shape == (3, 121) and tokens.dtype == np.int64
+  for row_tokens, row_mask in zip(tokens, mask):
+    text = bpe.decode(row_tokens.tolist())
+    key = text.split("The pass key is ")[1][:5]
+    assert key.isdigit() and text.endswith(f"What is the pass key? The pass key is {key}")
+    # Exactly the answer's digits are scored (each a target: position i scores token i + 1).
+    assert "".join(bpe.decode([t]) for t in row_tokens[1:][row_mask > 0]).strip() == key
+  assert row["loss"] == pytest.approx(_scored_cross_entropy(hf_model, tokens, mask), rel=1e-5)

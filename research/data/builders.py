@@ -29,6 +29,7 @@ from research.data import corpus
 from research.data import mad
 from research.data import needles
 from research.data import tasks
+from research.data import tokenizer
 
 _SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
 EVAL_SPLITS = ("validation", "test")
@@ -126,6 +127,7 @@ class NeedleConfig(tfds.core.BuilderConfig):
   eval_depths: tuple[float, ...] = ()
   num_eval_examples: int = 0
   seed: int = 0
+  tokenizer: str = "bytes"  # data.tokenizer
 
 
 def needle_params(config) -> needles.NeedleParams:
@@ -144,8 +146,11 @@ def needle_config(config) -> NeedleConfig:
                 num_train_examples=d.num_train_examples,
                 eval_lengths=tuple(sorted(set(config.eval.lengths))),
                 eval_depths=tuple(config.eval.depths), num_eval_examples=d.num_eval_examples,
-                seed=0)
+                seed=0, tokenizer=d.get("tokenizer", tokenizer.BYTES))
   key = dict(params, params=dataclasses.asdict(params["params"]))
+  del key["tokenizer"]  # byte-level tasks keep their names; a tokenizer adds its digest
+  if params["tokenizer"] != tokenizer.BYTES:
+    key["tokenizer"] = tokenizer.load(params["tokenizer"]).digest
   return NeedleConfig(name=f"{d.name}_{_digest(key)}", **params)
 
 
@@ -169,14 +174,15 @@ class NeedleTask(_NextTokenExamples):
   def _generate_examples(self, split, length=None, depth_index=None, depth=None):
     """The train split (length None), or the examples of one evaluation (length, depth)."""
     c = self.builder_config
+    tokens = tokenizer.load(c.tokenizer)
     if length is None:
       rng = np.random.default_rng([c.seed, _SPLIT_SEEDS[split]])
       for i in range(c.num_train_examples):
-        yield i, needles.train_example(c.task, rng, c.params, c.seq_len)
+        yield i, needles.train_example(c.task, rng, c.params, c.seq_len, tokens)
       return
     rng = np.random.default_rng([c.seed, _SPLIT_SEEDS[split], length, depth_index])
     for i in range(c.num_eval_examples):
-      yield i, needles.example(c.task, rng, c.params, length, depth, length)
+      yield i, needles.example(c.task, rng, c.params, length, depth, length, tokens)
 
 
 @dataclasses.dataclass(eq=False)

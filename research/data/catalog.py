@@ -17,6 +17,7 @@ import socket
 import threading
 from typing import Callable
 
+import numpy as np
 import tensorflow_datasets as tfds
 
 from research.data import builders
@@ -60,6 +61,7 @@ class Dataset:
   splits: dict | None = None  # corpora: split -> TFDS split
   files: tuple = ()  # local corpora
   download: NamedCorpus | None = None
+  token_dtype: np.dtype = np.dtype("<u2")  # tasks: of the prepared example arrays
 
 
 def check_name(name):
@@ -75,10 +77,8 @@ def is_language_modeling(config):
 
 def vocab_size(config):
   """Number of token ids the configured dataset uses."""
-  if is_language_modeling(config):
+  if is_language_modeling(config) or config.data.name in NEEDLE_NAMES:
     return tokenizer.get(config).vocab_size
-  if config.data.name in NEEDLE_NAMES:
-    return vocab.BYTE_VOCAB_SIZE
   return vocab.TaskVocab(config.data.task_vocab_size).size
 
 
@@ -103,7 +103,8 @@ def resolve(config):
   if d.name in SYMBOL_TASK_NAMES:
     return _local(builders.SyntheticTask, d.name, builders.task_config(config))
   if d.name in NEEDLE_NAMES:
-    return _local(builders.NeedleTask, d.name, builders.needle_config(config))
+    return _local(builders.NeedleTask, d.name, builders.needle_config(config),
+                  token_dtype=tokenizer.get(config).dtype)
   if d.name in LOCAL_CORPORA:
     return _corpus(d.name, d.corpus_path if d.name == "text_dir" else "")
   name, named = d.name, NAMED_CORPORA[d.name]

@@ -27,6 +27,12 @@ means every digit right.
 Values are numbers of data.needle_value_digits digits without a leading zero, distinct within an
 example. Training on the task is allowed: the train split draws lengths uniformly between the
 shortest that fits and train.seq_len and depths uniformly in [0, 1], right-padded with PAD.
+
+With a tokenizer (data.tokenizer, research.data.tokenizer: a pretrained model's), the same parts
+are rendered and each tokenized on its own ("\\n" needle "\\n", "\\n" question, the answer,
+the filler's cycle), and the example is put together in tokens: exactly `length` input tokens,
+the filler cut to the tokens that are left, the needle after round(depth * F) of them; the
+answer's tokens that hold a digit are scored.
 """
 
 import dataclasses
@@ -36,6 +42,7 @@ from typing import Callable
 import numpy as np
 
 from research.data import tasks
+from research.data import tokenizer
 from research.data import vocab
 
 FILLER = (b"The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -123,9 +130,13 @@ def _overhead(layout):
 
 
 @functools.lru_cache(maxsize=64)
-def min_length(task: str, params: NeedleParams) -> int:
-  """The fewest inputs an example of `task` takes (no filler at all)."""
-  return _overhead(TASKS[task](np.random.default_rng(0), params)) - 1
+def min_length(task: str, params: NeedleParams, tokens=tokenizer.ByteTokenizer()) -> int:
+  """The fewest inputs an example of `task` takes (no filler at all), in bytes or `tokens`'s
+  tokens."""
+  layout = TASKS[task](np.random.default_rng(0), params)
+  if not tokens.digest:
+    return _overhead(layout) - 1
+  return sum(len(part) for part in _tokenized_parts(layout, tokens)) - 1
 
 
 def _filler(num_bytes):
@@ -155,9 +166,46 @@ def text(task: str, rng: np.random.Generator, params: NeedleParams, length: int,
   return result, len(result) - len(answer)
 
 
+def _tokenized_parts(layout, tokens):
+  """(needle at the depth, *the other needles, question, answer), each tokenized on its own."""
+  needles = [tokens.encode(b"\n" + needle + b"\n") for needle in (layout.at_depth,)
+             + layout.elsewhere]
+  return (*needles, tokens.encode(b"\n" + layout.question),
+          tokens.encode(b" " + b", ".join(layout.values)))
+
+
+def tokenized(task: str, rng: np.random.Generator, params: NeedleParams, length: int,
+              depth: float, tokens) -> tuple[np.ndarray, np.ndarray]:
+  """An example's length + 1 token ids by `tokens` (a research.data.tokenizer), and which of
+  them are scored (the answer's tokens that hold a digit)."""
+  layout = TASKS[task](rng, params)
+  at_depth, *elsewhere, question, answer = _tokenized_parts(layout, tokens)
+  filler_tokens = length + 1 - sum(map(len, (at_depth, *elsewhere, question, answer)))
+  if filler_tokens < 0 or not 0 <= depth <= 1:
+    raise ValueError(f"{task} needs length >= {length - filler_tokens} tokens (got {length}) "
+                     f"and depth in [0, 1] (got {depth})")
+  inserts = sorted([(round(depth * filler_tokens), at_depth)]
+                   + [(int(rng.integers(0, filler_tokens + 1)), n) for n in elsewhere],
+                   key=lambda insert: insert[0])
+  filler = np.resize(tokens.encode(FILLER + b" "), filler_tokens)
+  parts, start = [], 0
+  for offset, needle in inserts:
+    parts += [filler[start:offset], needle]
+    start = offset
+  seq = np.concatenate(parts + [filler[start:], question, answer])
+  scored = np.zeros(seq.size, bool)
+  scored[seq.size - answer.size:] = [any(c.isdigit() for c in tokens.decode([t]))
+                                     for t in answer]
+  return seq, scored
+
+
 def example(task: str, rng: np.random.Generator, params: NeedleParams, length: int,
-            depth: float, padded_length: int) -> dict:
-  """inputs, targets, loss_mask of one example of `length` inputs, padded to padded_length."""
+            depth: float, padded_length: int, tokens=tokenizer.ByteTokenizer()) -> dict:
+  """inputs, targets, loss_mask of one example of `length` inputs (bytes, or `tokens`'s
+  tokens), padded to padded_length."""
+  if tokens.digest:
+    seq, scored = tokenized(task, rng, params, length, depth, tokens)
+    return tasks.next_token_example(seq.astype(np.int32), scored, padded_length, tokens.pad)
   content, answer_start = text(task, rng, params, length, depth)
   seq = np.frombuffer(content, np.uint8)
   scored = np.isin(seq, _DIGITS) & (np.arange(seq.size) >= answer_start)
@@ -165,7 +213,7 @@ def example(task: str, rng: np.random.Generator, params: NeedleParams, length: i
 
 
 def train_example(task: str, rng: np.random.Generator, params: NeedleParams,
-                  seq_len: int) -> dict:
+                  seq_len: int, tokens=tokenizer.ByteTokenizer()) -> dict:
   """A training example: length U{min_length..seq_len}, depth U[0, 1], padded to seq_len."""
-  length = int(rng.integers(min_length(task, params), seq_len + 1))
-  return example(task, rng, params, length, float(rng.uniform()), seq_len)
+  length = int(rng.integers(min_length(task, params, tokens), seq_len + 1))
+  return example(task, rng, params, length, float(rng.uniform()), seq_len, tokens)

@@ -27,7 +27,6 @@ from research.data import tokenizer
 
 tfds.disable_progress_bar()  # preparation is quick and logs one line; bars flood job logs
 
-STREAM_DTYPE = np.dtype("<u2")
 _PREPARED = set()
 _SOURCES = {}
 _STREAMS = {}
@@ -94,16 +93,16 @@ def _inputs_path(tokens_path):
   return tokens_path.replace(".tokens.npy", ".inputs.npy")
 
 
-def _write_example_arrays(examples, tokens_path, mask_path):
+def _write_example_arrays(examples, tokens_path, mask_path, dtype):
   """Writes every example's tokens and mask, and its inputs if some example's targets are not
   its inputs shifted by one; the mask file, renamed last, marks completion."""
   first = examples[0]
   shape = (len(examples), first["inputs"].size)
   tmp_tokens, tmp_mask = _temporary_path(tokens_path), _temporary_path(mask_path)
   tmp_inputs = _temporary_path(_inputs_path(tokens_path))
-  tokens = np.lib.format.open_memmap(tmp_tokens, "w+", STREAM_DTYPE, (shape[0], shape[1] + 1))
+  tokens = np.lib.format.open_memmap(tmp_tokens, "w+", dtype, (shape[0], shape[1] + 1))
   mask = np.lib.format.open_memmap(tmp_mask, "w+", np.uint8, shape)
-  inputs = np.lib.format.open_memmap(tmp_inputs, "w+", STREAM_DTYPE, shape)
+  inputs = np.lib.format.open_memmap(tmp_inputs, "w+", dtype, shape)
   shifted = True
   for start in range(0, shape[0], _READ_CHUNK):
     chunk = examples.__getitems__(range(start, min(start + _READ_CHUNK, shape[0])))
@@ -126,7 +125,7 @@ def _write_example_arrays(examples, tokens_path, mask_path):
 
 
 def example_arrays(dataset, data_dir, split):
-  """(tokens [N, L + 1] uint16, loss_mask [N, L] uint8) of a task split whose N examples all
+  """(tokens [N, L + 1] uint16 (uint32 with a tokenizer), loss_mask [N, L] uint8) of a task split whose N examples all
   have L inputs (inputs = tokens[:, :-1], targets = tokens[:, 1:], unless example_inputs gives
   the inputs), read-only memory maps."""
   key = (dataset.tfds_name, data_dir, split)
@@ -135,7 +134,8 @@ def example_arrays(dataset, data_dir, split):
     tokens_path = os.path.join(directory, f"{split}.tokens.npy")
     mask_path = os.path.join(directory, f"{split}.loss_mask.npy")
     if not (os.path.exists(tokens_path) and os.path.exists(mask_path)):
-      _write_example_arrays(source(dataset, data_dir, split), tokens_path, mask_path)
+      _write_example_arrays(source(dataset, data_dir, split), tokens_path, mask_path,
+                            dataset.token_dtype)
     _EXAMPLES[key] = (np.load(tokens_path, mmap_mode="r"), np.load(mask_path, mmap_mode="r"))
   return _EXAMPLES[key]
 

@@ -7,8 +7,9 @@
             tokenizer's end-of-sequence token (tokenizer_config.json's eos_token) and windows are
             padded with it (padding is never scored)
 
-Used for the language-modeling corpora (training and evaluation streams) and for generation; the
-synthetic and needle tasks build their own token ids and refuse a tokenizer.
+Used for the language-modeling corpora (training and evaluation streams), the needle tasks (their
+text rendered, then tokenized: research.data.needles) and generation; the synthetic tasks build
+their own symbol ids and refuse a tokenizer.
 """
 
 import functools
@@ -101,12 +102,12 @@ def check(name: str):
 
 
 @functools.lru_cache(maxsize=4)
-def _load(name):
+def load(name):
+  """The tokenizer named by a data.tokenizer value, loaded once per process."""
+  check(name)
   return ByteTokenizer() if name == BYTES else FileTokenizer(name)
 
 
 def get(config):
-  """The tokenizer of `config` (data.tokenizer), loaded once per process."""
-  name = config.data.get("tokenizer", BYTES)
-  check(name)
-  return _load(name)
+  """The tokenizer of `config` (data.tokenizer)."""
+  return load(config.data.get("tokenizer", BYTES))

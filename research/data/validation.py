@@ -46,7 +46,7 @@ def _problems(config):
     problems.append(f"train.batch_size={t.batch_size} is not divisible by "
                     f"distributed.num_processes={config.distributed.num_processes}")
   problems += _packing_problems(config)
-  if d.name not in catalog.TASK_NAMES:  # a task's own ids: research.runs.unread refuses it
+  if d.name not in catalog.SYMBOL_TASK_NAMES:  # their own ids: research.runs.unread refuses it
     try:
       tokenizer.check(d.get("tokenizer", tokenizer.BYTES))
     except ValueError as e:
@@ -115,7 +115,7 @@ def _needle_problems(config):
   if values > available:
     return [f"{d.name} needs {values} distinct values but data.needle_value_digits="
             f"{params.value_digits} gives {available}; use more digits"]
-  shortest = needles.min_length(d.name, params)
+  shortest = needles.min_length(d.name, params, tokenizer.get(config))
   lengths = [("train.seq_len", t.seq_len)] + [("eval.lengths", length) for length in e.lengths]
   return [f"{field} has {length}, too short for {d.name}: its needles, question and answer "
           f"take {shortest} inputs with no filler; use lengths >= {shortest}"

@@ -53,7 +53,8 @@ def _rules(config) -> Iterator[tuple[str, bool, str]]:
   language_modeling = name not in catalog.TASK_NAMES
   symbol_task = name in catalog.SYMBOL_TASK_NAMES
   yield "data.corpus_path", name == "text_dir", "data.name=text_dir"
-  yield "data.tokenizer", language_modeling, "the language-modeling corpora"
+  yield ("data.tokenizer", not symbol_task, "the language-modeling corpora and the needle "
+         "tasks")
   yield "data.task_vocab_size", symbol_task, "the synthetic tasks"
   for field in ("train_min_length", "train_max_length"):
     yield (f"data.{field}", symbol_task and name != "mqar" and name not in mad.TASKS,
