@@ -69,7 +69,7 @@ def main(argv):
   for run in runs:  # every check before any evaluation
     config = config_fields.load_saved(run.directory)
     config.update_from_flattened_dict(settings)
-    checks.validate_config(config, jax.device_count())
+    checks.validate_config(config, jax.device_count(), training=False)
     configs.append(config)
   for run, config in zip(runs, configs):
     print(f"{run.name}: evaluating", flush=True)

@@ -1,6 +1,8 @@
 """Write a run of the lab as a Hugging Face checkpoint directory that transformers loads.
 
-  python -m experiments.export_hf --workdir=runs/demo/runs/gqa_rope --checkpoint=/tmp/gqa_hf
+  python -m experiments.train --config=configs/base.py --workdir=runs/llama_like \
+      --config.model.attention=gqa --config.model.num_kv_heads=2 --config.model.feed_forward=swiglu
+  python -m experiments.export_hf --workdir=runs/llama_like --checkpoint=/tmp/llama_like_hf
   python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('/tmp/gqa_hf')"
 
 The compatible subset: mha / mqa / gqa with rope (its scalings but static_ntk), swiglu and

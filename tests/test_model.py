@@ -177,24 +177,33 @@ def test_bfloat16_compute_keeps_float32_parameters_and_logits(name):
   np.testing.assert_allclose(logits, full, atol=0.1, rtol=0.1)  # bf16 rounding only
 
 
-def test_mha_to_gqa_mean_pools_key_and_value_heads():
+@pytest.mark.parametrize("bias", ["none", "qkv"])
+def test_mha_to_gqa_mean_pools_key_and_value_heads(bias):
   from research.attention.convert import mha_to_gqa
 
-  mha_logits, mha = _forward(tiny_model_config(attention="mha", position="rope"))
-  same, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=4),
-                     mha_to_gqa(nnx.state(mha), 4, 4))
+  softmax = dict(projection_bias=bias)
+  mha_config = tiny_model_config(attention="mha", position="rope", softmax=softmax)
+  mha_logits, mha = _forward(mha_config)
+  same, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=4,
+                                       softmax=softmax), mha_to_gqa(nnx.state(mha), 4, 4))
   np.testing.assert_allclose(same, mha_logits, atol=1e-6)
   # Heads that are already equal within each group pool to themselves: the logits stay.
   state = nnx.state(mha)
+  keys = iter(jax.random.split(jax.random.key(1), 8))
   for path, variable in nnx.to_flat_state(state):
     if path[-2] in ("key", "value"):
-      kernel = variable.value
-      variable.value = jnp.repeat(kernel[:, ::2], 2, axis=1)
-  twin_logits, _ = _forward(tiny_model_config(attention="mha", position="rope"), state)
+      value = variable.value
+      if path[-1] == "bias":  # zeros at init: drawn, so that pooling them is seen
+        value = jax.random.normal(next(keys), value.shape)
+      heads_axis = value.ndim - 2
+      variable.value = jnp.repeat(jnp.take(value, jnp.arange(0, 4, 2), axis=heads_axis), 2,
+                                  axis=heads_axis)
+  twin_logits, _ = _forward(mha_config, state)
   pooled = mha_to_gqa(state, 4, 2)
-  assert [v.value.shape for p, v in nnx.to_flat_state(pooled) if p[-2] == "key"] == [(32, 2, 8)]
-  gqa_logits, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=2),
-                           pooled)
+  shapes = [v.value.shape for p, v in nnx.to_flat_state(pooled) if p[-2] == "key"]
+  assert sorted(shapes) == sorted([(32, 2, 8)] + [(2, 8)] * (bias != "none"))
+  gqa_logits, _ = _forward(tiny_model_config(attention="gqa", position="rope", num_kv_heads=2,
+                                             softmax=softmax), pooled)
   np.testing.assert_allclose(gqa_logits, twin_logits, atol=1e-5)
 
 

@@ -15,6 +15,7 @@ INSTALL = "the Hugging Face extra: .venv/bin/pip install -r requirements-hf.txt"
 torch = pytest.importorskip("torch", reason=INSTALL)
 transformers = pytest.importorskip("transformers", reason=INSTALL)
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from research import data  # noqa: E402
@@ -26,6 +27,7 @@ from research.evaluation import extrapolation  # noqa: E402
 from research.evaluation import generate  # noqa: E402
 from research.pretrained import convert  # noqa: E402
 from research.pretrained import hf_weights  # noqa: E402
+from research.runs import checkpoints  # noqa: E402
 from research.runs import config_fields  # noqa: E402
 
 EOS = "<|endoftext|>"
@@ -254,3 +256,69 @@ def test_the_passkey_task_is_rendered_then_tokenized_and_scored_on_the_key(bpe_r
     # Exactly the answer's digits are scored (each a target: position i scores token i + 1).
     assert "".join(bpe.decode([t]) for t in row_tokens[1:][row_mask > 0]).strip() == key
   assert row["loss"] == pytest.approx(_scored_cross_entropy(hf_model, tokens, mask), rel=1e-5)
+
+
+def test_an_imported_run_is_fine_tuned_from_its_parameters(bpe_run, tmp_path):
+  from configs import finetune  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from research.training import loop  # noqa: PLC0415
+  _, _, run, _ = bpe_run
+  config = finetune.get_config(run)
+  assert config.train.init_from == run and config.model.swiglu.hidden == SIZES["intermediate_size"]
+  config.train.update(num_steps=2, batch_size=8, seq_len=16, warmup_steps=1, checkpoint_every=2,
+                      keep_checkpoints=3, log_every=1, eval_batches=1)
+  workdir = str(tmp_path / "fine_tuned")
+  loop.train_and_evaluate(config, workdir)
+  fine_tuned = config_fields.load_saved(workdir)
+  _, start = generate.restore(fine_tuned, workdir, step=0, log=lambda line: None)
+  _, imported = generate.restore(config_fields.load_saved(run), run, log=lambda line: None)
+  for (path, ours), (_, theirs) in zip(nnx.to_flat_state(nnx.state(start)),
+                                       nnx.to_flat_state(nnx.state(imported))):
+    np.testing.assert_array_equal(ours.get_value(), theirs.get_value(), err_msg=str(path))
+  assert 2 in checkpoints.steps(workdir)
+
+
+@pytest.mark.parametrize("model", [
+    dict(attention="gqa", num_kv_heads=2, projection_bias="none", window=0),
+    dict(attention="mha", num_kv_heads=4, projection_bias="qkv", window=0),
+    dict(attention="gqa", num_kv_heads=2, projection_bias="none", window=6)])
+def test_a_lab_run_exports_to_a_checkpoint_transformers_computes_alike(tmp_path, model):
+  from flax import nnx  # noqa: PLC0415
+  from research import defaults  # noqa: PLC0415
+  from research import model as model_lib  # noqa: PLC0415
+  config = defaults.get_config()
+  config.model.update(attention=model["attention"], num_kv_heads=model["num_kv_heads"],
+                      num_layers=2, d_model=32, num_heads=4, vocab_size=VOCAB,
+                      feed_forward="swiglu", position="rope")
+  config.model.softmax.update(projection_bias=model["projection_bias"], window=model["window"])
+  lab_model = model_lib.build_model(config.model, rngs=nnx.Rngs(3))
+  for path, variable in nnx.to_flat_state(nnx.state(lab_model)):  # biases start at zero
+    if path[-1] == "bias":
+      variable.set_value(jax.random.normal(jax.random.key(len(path)), variable.get_value().shape))
+  run, exported = str(tmp_path / "run"), str(tmp_path / "hf")
+  manager = checkpoints.manager(run, keep=1)
+  checkpoints.save(manager, 0, {"params": nnx.state(lab_model)})
+  checkpoints.wait(manager)
+  with open(os.path.join(run, "config.json"), "w") as f:
+    f.write(config.to_json())
+  hf = convert.export_run(run, exported, log=lambda line: None)
+  assert hf["model_type"] == ("mistral" if model["window"] else
+                              {"none": "llama", "qkv": "qwen2"}[model["projection_bias"]])
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      exported, attn_implementation="eager").eval()
+  tokens = _tokens(3)
+  assert _relative_error(np.asarray(lab_model(jnp.asarray(tokens))),
+                         _hf_logits(reloaded, tokens)) < 1e-5
+
+
+def test_the_head_analyses_read_an_imported_run_and_label_its_tokens(bpe_run):
+  from research.analysis import analyze  # noqa: PLC0415
+  from research.analysis import base  # noqa: PLC0415
+  _, bpe, run, _ = bpe_run
+  settings = base.Settings(text="the rotary key value", num_sequences=1, length_factors=(1,))
+  (out,) = analyze.analyze(run, ["attention_maps"], settings, log=lambda line: None)
+  assert os.path.exists(os.path.join(out, "distance.csv")) and any(
+      name.endswith(".png") for name in os.listdir(out))
+  text_tokens = tokenizer.get(config_fields.load_saved(run))
+  assert [text_tokens.label(t) for t in bpe.encode("the rotary").ids] == \
+      bpe.encode("the rotary").tokens

@@ -218,8 +218,10 @@ def check_train(case, dims, torch, pt):
   model = model_lib.build_model(config.model, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   inputs, targets = _tokens(config)
-  (loss, logits), grads = jax.value_and_grad(_mean_nll, argnums=1, has_aux=True)(
-      graphdef, state, jnp.asarray(inputs), jnp.asarray(targets))
+  # Jitted: op by op, the gradient of the large model took most of the quick suite's time.
+  value_and_grad = jax.jit(jax.value_and_grad(
+      lambda state, inputs, targets: _mean_nll(graphdef, state, inputs, targets), has_aux=True))
+  (loss, logits), grads = value_and_grad(state, jnp.asarray(inputs), jnp.asarray(targets))
   gpt = _torch_gpt(pt, config, model, rope=True)
   t_loss, t_logits, t_grads = pt.loss_and_grads(gpt, torch.from_numpy(inputs),
                                                 torch.from_numpy(targets))

@@ -5,8 +5,10 @@
                                        and RUN/imported.json (where they came from)
   export_run(RUN, CHECKPOINT)          CHECKPOINT/config.json and model.safetensors, float32
 
-Every check (the source, its config, the destination) comes before anything is written; a
-destination that holds anything is refused, so nothing already there is lost.
+The source's config and the destination are checked before anything is written, and a
+destination that holds anything is refused, so nothing already there is lost. An import writes
+the run's tokenizer first (checking the config reads it), config.json last (a directory without
+it is no run); on any error what it wrote is removed.
 """
 
 import glob
@@ -64,6 +66,7 @@ def lab_config(hf: dict, overrides=None, tokenizer_dir=""):
   context = hf_config.context_length(hf)
   if context:
     config.train.seq_len = context
+  config.train.num_steps = 0  # trained as far as it will be: train.init_from reads it as finished
   if tokenizer_dir:
     config.data.tokenizer = tokenizer_dir
   overrides = dict(overrides or {})

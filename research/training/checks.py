@@ -46,9 +46,12 @@ def check_fields(config: ml_collections.ConfigDict):
     raise ValueError("; ".join(problems))
 
 
-def validate_config(config, num_devices, process_count=1, *, unread_settings=None):
+def validate_config(config, num_devices, process_count=1, *, unread_settings=None,
+                    training=True):
   """Raise ValueError naming what is wrong and what would be valid. Returns the mesh shape.
-  `unread_settings`: research.runs.unread.unread_settings(config), where the caller has it."""
+  `unread_settings`: research.runs.unread.unread_settings(config), where the caller has it.
+  training=False checks a saved run's config for evaluation: train.num_steps may be 0 there (an
+  imported checkpoint's run, research/pretrained)."""
   check_fields(config)
   model_lib.validate(config.model)
   model_lib.validate_lengths(config.model, config.train.seq_len, config.eval.lengths)
@@ -66,9 +69,10 @@ def validate_config(config, num_devices, process_count=1, *, unread_settings=Non
   if outside:
     raise ValueError(f"train.keep_checkpoints_at has steps {outside} outside 1..train.num_steps="
                      f"{t.num_steps}; give integer steps in that range, or () for none")
-  if t.num_steps == 0 and not t.init_from:
+  if training and t.num_steps == 0 and not t.init_from:
     raise ValueError("train.num_steps=0 must be >= 1 (0 only with train.init_from: the "
-                     "converted model of another run, evaluated without training)")
+                     "converted model of another run, evaluated without training); to fine-tune "
+                     "a run (an imported checkpoint's too): --config=configs/finetune.py:RUN")
   if t.num_steps and not 0 <= t.warmup_steps < t.num_steps:
     raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, num_steps="
                      f"{t.num_steps}); the cosine decay needs at least one step after warmup")
