@@ -111,7 +111,12 @@ def markdown_tables(model_config) -> dict[str, str]:
   for key, fields in default_settings().items():
     defaults.append(f"| `model.{key}` | {', '.join(users[key])} | "
                     + ", ".join(f"`{field}` {value!r}" for field, value in fields.items()) + " |")
-  return {"mixers": "\n".join(mixers), "positions": "\n".join(schemes),
+  names = "\n".join(
+      f"- {what} (`--config.{registry.config_field}=NAME`): "
+      + ", ".join(f"`{name}`" for name in registry)
+      for what, registry in (("mixers", attention.REGISTRY), ("position schemes", positions.REGISTRY),
+                             ("feed-forwards", feed_forward.REGISTRY), ("norms", norms.REGISTRY)))
+  return {"names": names, "mixers": "\n".join(mixers), "positions": "\n".join(schemes),
           "compatibility": "\n".join(compatibility), "feed-forwards": "\n".join(feed_forwards),
           "config-defaults": "\n".join(defaults)}
 
@@ -127,7 +132,7 @@ def embed(text: str, tables: dict[str, str]) -> str:
 
 
 # The files that embed generated tables (relative to the repository's root, ROOT).
-DOC_FILES = ("README.md", "docs/variants.md", "docs/architecture.md")
+DOC_FILES = ("README.md", "docs/variants.md", "docs/positions.md", "docs/architecture.md")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
