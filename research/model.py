@@ -236,7 +236,11 @@ class LanguageModel(nnx.Module):
     return sharding.constrain(x, ("batch", "length", "embed"))
 
   def _logits(self, x):
-    x = self.final_norm(x)
+    return self.head_logits(self.final_norm(x))
+
+  def head_logits(self, x_BxLxD):
+    """float32 logits [B, L, V] of final-normed hidden states (`features`): the output head."""
+    x = x_BxLxD
     if self.head is None:  # tied: the embedding table, all-gathered as in _embed
       table_VxD = sharding.constrain(self.embed.embedding[...], (None, None))
       return nn.token_major_einsum("BLD,VD->BLV", x, table_VxD.astype(x.dtype)).astype(
@@ -254,11 +258,16 @@ class LanguageModel(nnx.Module):
   def __call__(self, tokens_BxL, positions_BxL=None, segments_BxL=None):
     """Logits [batch, length, vocab]. positions default to 0..length-1, or with segment ids
     (packed documents) to 0.. from each document's start."""
+    return self.head_logits(self.features(tokens_BxL, positions_BxL, segments_BxL))
+
+  def features(self, tokens_BxL, positions_BxL=None, segments_BxL=None):
+    """The final-normed hidden states [B, L, D] that the head maps to logits (`head_logits`):
+    evaluation scores long windows from them a chunk of positions at a time."""
     positions_BxL = self._positions(tokens_BxL, positions_BxL, segments_BxL)
     x, carry = self._embed(tokens_BxL, positions_BxL), {}
     for block in self.blocks:
       x, carry = block(x, positions_BxL, segments_BxL, carry)
-    return self._logits(x)
+    return self.final_norm(x)
 
   @staticmethod
   def _positions(tokens_BxL, positions_BxL, segments_BxL):

@@ -5,6 +5,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 import optax
 from flax import nnx
 
@@ -27,7 +28,9 @@ def test_bootstrap_matches_the_normal_approximation_of_a_proportion():
   assert seeded(3) == seeded(3) != seeded(4)
 
 
-def test_eval_step_sums_per_row_and_intervals_cover_the_metrics(model_config):
+@pytest.mark.parametrize("score_chunk", [evaluate.SCORE_CHUNK, 5])
+def test_eval_step_sums_per_row_and_intervals_cover_the_metrics(model_config, score_chunk):
+  """Scored all at once, and 5 positions at a time (16 = 3 chunks and a padded one)."""
   model = model_lib.build_model(model_config, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   rng = np.random.default_rng(0)
@@ -39,7 +42,8 @@ def test_eval_step_sums_per_row_and_intervals_cover_the_metrics(model_config):
     batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask})
   mesh = sharding.make_mesh((-1, 1, 1))
   with jax.set_mesh(mesh):
-    sums = evaluate.row_sums(evaluate.make_eval_step(graphdef), params, iter(batches), mesh, 8)
+    sums = evaluate.row_sums(evaluate.make_eval_step(graphdef, score_chunk), params,
+                             iter(batches), mesh, 8)
   scored = [(b, i) for b in batches for i in range(len(b["inputs"])) if b["loss_mask"][i].any()]
   assert len(sums["rows"]["tokens"]) == len(scored) == 16
   for column, (b, i) in enumerate(scored):
