@@ -39,8 +39,9 @@ What differs from mad-lab in both presets, by what this lab has:
     the shuffled set; the cosine schedule is per step, not per epoch; gradients are clipped at
     train.grad_clip_norm (full: out of reach, 1e9, as mad-lab does not clip); float32 rather than
     bf16; no early stop at 99.9% test accuracy (mad-lab stops there);
-  - accuracy is per scored token (micro); mad-lab's torchmetrics MulticlassAccuracy averages per
-    class (macro);
+  - the score is macro accuracy as mad-lab's torchmetrics MulticlassAccuracy computes it over a
+    split (research/evaluation/evaluate.py); mad-lab logs it per test batch and Lightning
+    averages those, which differs only where a batch lacks a class;
   - compression is a decoder-only form, not mad-lab's autoencoder (research/data/mad.py says how,
     and that attention-like mixers are not bottlenecked by it).
 """

@@ -95,3 +95,44 @@ def test_a_packed_row_scores_each_document_as_if_it_were_alone(model_config):
   np.testing.assert_allclose(sums["rows"]["nll"], [alone], rtol=1e-5)
   whole = optax.softmax_cross_entropy_with_integer_labels(logits[-1], batch["targets"][0]).sum()
   assert abs(whole - alone) > 1e-3  # without the segments the documents would see each other
+
+
+def _torchmetrics_macro(targets, predictions, num_classes):
+  """MulticlassAccuracy(average="macro")'s rule, written out: per class recall tp / (tp + fn),
+  averaged over the classes with tp + fp + fn > 0 (a class only predicted counts as 0)."""
+  recalls = []
+  for c in range(num_classes):
+    tp = np.sum((targets == c) & (predictions == c))
+    fn = np.sum((targets == c) & (predictions != c))
+    fp = np.sum((targets != c) & (predictions == c))
+    if tp + fp + fn:
+      recalls.append(tp / (tp + fn) if tp + fn else 0.0)
+  return np.mean(recalls)
+
+
+def test_macro_accuracy_counts_classes_as_torchmetrics_macro_average(model_config):
+  model = model_lib.build_model(model_config, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  rng = np.random.default_rng(1)
+  inputs = rng.integers(0, 6, (8, 12)).astype(np.int32)
+  predictions = np.argmax(np.asarray(model(inputs)), -1)
+  # Targets: the model's own prediction at about half the positions (hits), else one of a few
+  # classes (misses; some classes are only predicted, never targets).
+  targets = np.where(rng.random((8, 12)) < 0.5, predictions,
+                     rng.integers(0, 6, (8, 12))).astype(np.int32)
+  mask = (rng.random((8, 12)) < 0.7).astype(np.float32)
+  batch = {"inputs": inputs, "targets": targets, "loss_mask": mask}
+  mesh = sharding.make_mesh((-1, 1, 1))
+  with jax.set_mesh(mesh):
+    sums = evaluate.row_sums(evaluate.make_eval_step(graphdef, num_classes=model_config.vocab_size),
+                             params, iter([batch]), mesh, 8)
+  metrics = evaluate.metrics(sums, bootstrap_samples=200, bootstrap_seed=0)
+  scored = mask > 0
+  expected = _torchmetrics_macro(batch["targets"][scored], predictions[scored],
+                                 model_config.vocab_size)
+  assert metrics["macro_accuracy"] == pytest.approx(expected, abs=1e-6)
+  assert metrics["macro_accuracy_ci_low"] <= metrics["macro_accuracy"] <= \
+      metrics["macro_accuracy_ci_high"]
+  accuracy = np.mean(predictions[scored] == targets[scored])
+  assert metrics["accuracy"] == pytest.approx(accuracy)
+  assert 0.3 < accuracy and abs(metrics["macro_accuracy"] - accuracy) > 0.05  # tells them apart

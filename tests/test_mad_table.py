@@ -86,3 +86,19 @@ def test_accuracy_against_state_draws_one_line_per_mixer_with_byte_ticks():
   mixers, title = sorted(c.get_label() for c in ax.containers), ax.get_title()
   plots.plt.close(figure)
   assert mixers == ["deltanet", "mha"] and title.startswith("mad_memorization"), (mixers, title)
+
+
+def test_rows_with_macro_accuracy_are_scored_by_it_as_mad_lab_scores(tmp_path):
+  rows = _rows()
+  for row in rows:  # macro accuracy a tenth below the per-token one, everywhere
+    row.update(macro_accuracy=row["accuracy"] - 0.1, macro_accuracy_ci_low=row["accuracy"] - 0.12,
+               macro_accuracy_ci_high=row["accuracy"] - 0.08)
+  per_mixer = mad_table.scores(rows, "mad_in_context_recall")["test-selected"]
+  # mha's memorization: the best test point's macro accuracy, 1.0 - 0.1.
+  assert per_mixer["mha"]["mad_memorization"].value == pytest.approx(0.9)
+  mad_table.write(str(tmp_path), rows, "mad_in_context_recall")
+  with open(tmp_path / "mad.md") as f:
+    assert "Macro accuracy over the vocabulary's classes" in f.read()
+  del rows[0]["macro_accuracy"]  # one row from before: the per-token accuracy for all
+  per_mixer = mad_table.scores(rows, "mad_in_context_recall")["test-selected"]
+  assert per_mixer["mha"]["mad_memorization"].value == pytest.approx(1.0)

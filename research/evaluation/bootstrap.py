@@ -12,14 +12,15 @@ from typing import Callable
 import numpy as np
 
 Statistic = Callable[[dict[str, np.ndarray]], np.ndarray]
-_CHUNK = 1 << 22  # resampled row indices held at once
+_CHUNK = 1 << 22  # resampled row values held at once
 
 
 def intervals(rows: dict[str, np.ndarray], statistics: dict[str, Statistic], samples: int,
               seed: int, level: float = 0.95) -> dict[str, tuple[float, float]]:
   """{name: (low, high)}: the percentile interval of every statistic over resampled rows.
 
-  `rows` maps column names to arrays of one value per row (all of the same length N >= 1).
+  `rows` maps column names to arrays of one value (or one vector: class counts) per row, all of
+  the same length N >= 1.
   """
   num_rows = len(next(iter(rows.values())))
   if num_rows < 1 or samples < 1:
@@ -27,7 +28,8 @@ def intervals(rows: dict[str, np.ndarray], statistics: dict[str, Statistic], sam
   rng = np.random.default_rng(seed)
   columns = {name: np.asarray(values, np.float64) for name, values in rows.items()}
   values = {name: [] for name in statistics}
-  per_chunk = max(1, _CHUNK // num_rows)
+  width = max(int(np.prod(column.shape[1:])) for column in columns.values())
+  per_chunk = max(1, _CHUNK // (num_rows * width))
   for first in range(0, samples, per_chunk):
     index = rng.integers(0, num_rows, (min(per_chunk, samples - first), num_rows))
     sums = {name: column[index].sum(axis=1) for name, column in columns.items()}

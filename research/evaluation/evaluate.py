@@ -8,6 +8,15 @@ the batches carry segments and positions, which the model is given (`apply`): a 
 its own document, and END_OF_DOCUMENT inputs are not scored. For tasks, accuracy is exact match
 over the scored (answer) positions, per token and per sequence.
 
+Macro accuracy (MAD's, athms/mad-lab@0f49a45 mad/metrics.py: torchmetrics' MulticlassAccuracy,
+average="macro", over the model's vocabulary): with per class c, over the scored positions, tp_c
+(target c, predicted c), support_c (target c) and predicted_c (predicted c),
+  macro_accuracy = mean over {c : tp_c + fp_c + fn_c > 0} of tp_c / support_c   (0 where no support)
+(fp_c + fn_c = predicted_c + support_c - 2 tp_c), from the counts pooled over the rows: what the
+metric's compute() gives over a split. mad-lab logs each test batch's value and Lightning
+averages them over the epoch; the two differ only where a batch lacks a class. Computed when
+make_eval_step is given num_classes (the MAD tasks, research.evaluation.extrapolation).
+
 The jitted step returns sums per row (window or example), so every metric also gets a 95%
 percentile bootstrap interval over rows (research.evaluation.bootstrap): loss = sum nll / sum
 tokens, perplexity = exp(loss), accuracy = sum correct / sum tokens, exact_match = rows entirely
@@ -27,11 +36,21 @@ from research.evaluation import bootstrap
 from research import data
 from research import sharding
 
+def macro_accuracy(tp, support, predicted):
+  """The module docstring's macro accuracy from class counts [..., V] (the last axis classes)."""
+  present = (support + predicted - tp) > 0  # tp + fp + fn > 0
+  recall = np.where(support > 0, tp / np.maximum(support, 1), 0.0)
+  return (recall * present).sum(-1) / np.maximum(present.sum(-1), 1)
+
+
 STATISTICS = {
     "loss": lambda s: s["nll"] / s["tokens"],
     "perplexity": lambda s: np.exp(np.minimum(s["nll"] / s["tokens"], 700.0)),
     "accuracy": lambda s: s["correct"] / s["tokens"],
     "exact_match": lambda s: s["exact"] / s["sequences"],
+}
+CLASS_STATISTICS = {  # with class counts (make_eval_step's num_classes)
+    "macro_accuracy": lambda s: macro_accuracy(s["tp"], s["support"], s["predicted"]),
 }
 
 
@@ -42,15 +61,15 @@ SCORE_CHUNK = 2048
 
 
 def _scores(model, batch, chunk):
-  """Per token: the negative log-likelihood of the target and whether the argmax is it, [B, L]
-  each, from the logits of `chunk` positions at a time (all at once for a shorter window)."""
+  """Per token: the negative log-likelihood of the target and the argmax, [B, L] each, from the
+  logits of `chunk` positions at a time (all at once for a shorter window)."""
   x = model.features(batch["inputs"], batch.get("positions"), batch.get("segments"))
   targets = batch["targets"]
 
   def score(x_BxCxD, targets_BxC):
     logits = model.head_logits(x_BxCxD)
     return (optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxC),
-            jnp.argmax(logits, -1) == targets_BxC)
+            jnp.argmax(logits, -1))
 
   length = x.shape[1]
   if chunk is None or length <= chunk:
@@ -59,23 +78,34 @@ def _scores(model, batch, chunk):
   x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
   targets = jnp.pad(targets, ((0, 0), (0, pad)))
   to_chunks = lambda a: jnp.moveaxis(a.reshape(a.shape[0], -1, chunk, *a.shape[2:]), 1, 0)
-  nll, correct = jax.lax.map(lambda c: score(*c), (to_chunks(x), to_chunks(targets)))
+  nll, predictions = jax.lax.map(lambda c: score(*c), (to_chunks(x), to_chunks(targets)))
   from_chunks = lambda a: jnp.moveaxis(a, 0, 1).reshape(a.shape[1], -1)[:, :length]
-  return from_chunks(nll), from_chunks(correct)
+  return from_chunks(nll), from_chunks(predictions)
 
 
-def make_eval_step(graphdef, score_chunk=SCORE_CHUNK):
-  """jit-compiled sums of per-token statistics: per row of the batch, and per position."""
+def _class_counts(targets, predictions, mask, num_classes):
+  """Per row, [B, V] each: tp (target and prediction c), support (target c), predicted (c)."""
+  target_hot = jax.nn.one_hot(targets, num_classes) * mask[..., None]
+  predicted_hot = jax.nn.one_hot(predictions, num_classes) * mask[..., None]
+  return {"tp": (target_hot * predicted_hot).sum(1), "support": target_hot.sum(1),
+          "predicted": predicted_hot.sum(1)}
+
+
+def make_eval_step(graphdef, score_chunk=SCORE_CHUNK, num_classes=None):
+  """jit-compiled sums of per-token statistics: per row of the batch, and per position; with
+  num_classes, also each row's class counts (the macro accuracy's, module docstring)."""
 
   def eval_step(params, batch):
-    nll, correct = _scores(nnx.merge(graphdef, params), batch, score_chunk)
+    nll, predictions = _scores(nnx.merge(graphdef, params), batch, score_chunk)
     mask = batch["loss_mask"]
-    correct = (correct * mask).sum(1)
+    correct = ((predictions == batch["targets"]) * mask).sum(1)
     tokens = mask.sum(1)
     rows = {"nll": (nll * mask).sum(1), "tokens": tokens, "correct": correct,
             "exact": ((tokens > 0) & (correct == tokens)).astype(jnp.float32)}
+    if num_classes:
+      rows.update(_class_counts(batch["targets"], predictions, mask, num_classes))
     # Replicated, so that every process reads every row.
-    rows = {k: sharding.constrain(v, (None,)) for k, v in rows.items()}
+    rows = {k: sharding.constrain(v, (None,) * v.ndim) for k, v in rows.items()}
     return {"rows": rows, "nll_by_position": (nll * mask).sum(0),
             "tokens_by_position": mask.sum(0)}
 
@@ -125,7 +155,7 @@ def _totals(rows):
   """Column sums (as length-1 arrays, the shape STATISTICS take) over rows with scored tokens."""
   if not rows["tokens"].sum():
     raise ValueError("evaluation saw no scored tokens; check eval.num_tokens and the lengths")
-  return {k: v.sum(keepdims=True) for k, v in rows.items()}
+  return {k: v.sum(axis=0, keepdims=True) for k, v in rows.items()}
 
 
 def metrics(sums: dict, bootstrap_samples: int, bootstrap_seed: int) -> dict:
@@ -133,9 +163,10 @@ def metrics(sums: dict, bootstrap_samples: int, bootstrap_seed: int) -> dict:
   (95% bootstrap over rows), tokens and sequences scored, and the loss at each position."""
   rows = dict(sums["rows"], sequences=np.ones_like(sums["rows"]["tokens"]))
   totals = _totals(rows)
-  result = {name: float(statistic(totals)[0]) for name, statistic in STATISTICS.items()}
+  statistics = dict(STATISTICS, **(CLASS_STATISTICS if "tp" in rows else {}))
+  result = {name: float(statistic(totals)[0]) for name, statistic in statistics.items()}
   result.update(tokens=int(totals["tokens"][0]), sequences=int(totals["sequences"][0]))
-  for name, (low, high) in bootstrap.intervals(rows, STATISTICS, bootstrap_samples,
+  for name, (low, high) in bootstrap.intervals(rows, statistics, bootstrap_samples,
                                                bootstrap_seed).items():
     result[f"{name}_ci_low"], result[f"{name}_ci_high"] = low, high
   with np.errstate(invalid="ignore", divide="ignore"):

@@ -35,6 +35,7 @@ from research.evaluation import evaluate
 from research import model as model_lib
 from research import positions
 from research import sharding
+from research.data import mad
 from research.data import validation
 from research.positions import rope
 
@@ -118,7 +119,10 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
                                       ("split", "eval_length", "eval_mode", "rope_scaling"))
       if (scaling, length) not in eval_steps:
         model_at = nnx.eval_shape(lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))
-        eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(model_at))
+        # MAD's tasks score macro accuracy as mad-lab does (research.evaluation.evaluate).
+        classes = model_config.vocab_size if config.data.name in mad.TASKS else None
+        eval_steps[scaling, length] = evaluate.make_eval_step(nnx.graphdef(model_at),
+                                                              num_classes=classes)
         state_bytes[scaling, length] = model_at.cache_bytes(1, length)
       sums = _row_sums(config, eval_steps[scaling, length], params, mesh, split, length, mode,
                        list(row_settings))

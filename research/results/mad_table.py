@@ -54,6 +54,12 @@ def _mean_cell(cells):
                sum(c.state_bytes for c in cells) / n)
 
 
+def _metric(rows):
+  """macro_accuracy, mad-lab's (research.evaluation.evaluate), where every row has it; rows
+  evaluated before it was recorded give the per-token accuracy."""
+  return "macro_accuracy" if all("macro_accuracy" in row for row in rows) else "accuracy"
+
+
 def _seed_mean(rows, metric="accuracy"):
   """A grid point's cell over its seeds' rows (each one split): the means of value and bounds."""
   mean = lambda key: sum(row.get(key, row[metric]) for row in rows) / len(rows)
@@ -69,6 +75,7 @@ def scores(rows: list[dict], base_task: str) -> dict:
   setting_keys = [k for k in keys if k not in mixer_keys and k not in GRID_KEYS
                   and k not in (TASK_KEY, "train.seed") and k not in DERIVED_KEYS]
   points = collections.defaultdict(lambda: collections.defaultdict(list))
+  metric = _metric([row for row in rows if _task_of(row, base_task).startswith(PREFIX)])
   for row in rows:
     if row.get("depth") is not None:
       continue
@@ -79,7 +86,7 @@ def scores(rows: list[dict], base_task: str) -> dict:
   has_test = any(split == "test" for per in points.values() for _, split in per)
   selected = collections.defaultdict(lambda: collections.defaultdict(lambda: collections.defaultdict(list)))
   for (mixer, task, _), per_point in points.items():
-    cells = {(grid, split): _seed_mean(r) for (grid, split), r in per_point.items()}
+    cells = {(grid, split): _seed_mean(r, metric) for (grid, split), r in per_point.items()}
     scored_split = "test" if has_test else eval_results.DEFAULT_SPLIT
     scored = {grid: cell for (grid, split), cell in cells.items() if split == scored_split}
     if not scored:
@@ -131,8 +138,13 @@ def write(workdir: str, rows: list[dict], base_task: str) -> list[str]:
   order = {task: i for i, task in enumerate(mad.TASKS)}  # mad-lab's order
   tasks = sorted({task for per_mixer in by_selection.values() for per_task in per_mixer.values()
                   for task in per_task}, key=lambda task: (order.get(task, len(order)), task))
+  mad_rows = [row for row in rows if _task_of(row, base_task).startswith(PREFIX)]
+  measure = ("macro accuracy over the vocabulary's classes at the scored tokens, as mad-lab's "
+             "torchmetrics MulticlassAccuracy" if _metric(mad_rows) == "macro_accuracy" else
+             "accuracy over the scored tokens (rows evaluated before macro accuracy was "
+             "recorded)")
   lines = ["# MAD scores", "",
-           "Accuracy over the scored tokens, mean over seeds; [95% interval] "
+           f"{measure[0].upper()}{measure[1:]}, mean over seeds; [95% interval] "
            "(research/results/mad_table.py says how it is combined over settings and tasks).", ""]
   for selection, per_mixer in by_selection.items():
     lines += [f"## {selection}", "", SELECTION_TEXT[selection], "", *_table(per_mixer, tasks), ""]
