@@ -162,7 +162,8 @@ def test_command_line_one_member_then_plot_names_the_missing_then_parallel_rest(
   assert (tmp_path / "results.csv").exists() and (tmp_path / "extrapolation.png").exists()
 
 
-NOT_EXPERIMENTS = ("base.py", "sweeps.py", "__init__.py", "model_125m.py")  # configs/ without a sweep
+NOT_EXPERIMENTS = ("base.py", "sweeps.py", "__init__.py", "model_125m.py",  # configs/ without
+                   "finetune.py")  # a sweep
 EXPERIMENTS = sorted(name[:-3] for name in os.listdir(os.path.join(ROOT, "configs"))
                      if name.endswith(".py") and name not in NOT_EXPERIMENTS)
 
