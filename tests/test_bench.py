@@ -298,16 +298,19 @@ def test_peers_weight_names_cover_every_parameter_once():
   np.testing.assert_array_equal(named["lm_head.weight"], np.asarray(model.head.kernel[...]).T)
 
 
-def test_peers_suite_agrees_with_pytorch_and_times_every_case(tmp_path, monkeypatch):
-  """Only where PyTorch is installed (an optional extra): every case's agreement check at its
-  small size, then one quick round of every timing."""
+def test_peers_suite_agrees_with_pytorch_and_times_each_case(tmp_path, monkeypatch):
+  """Only where PyTorch is installed (an optional extra; CI installs it): each case's agreement
+  check at its small size, then one quick round of its timing. All but train_large, the train
+  case's code at 4 layers of width 512 (20 s of the test; the benchmark itself checks it)."""
   pytest.importorskip("torch")
   monkeypatch.setenv("PJRT_NPROC", "")  # restored afterwards; the suite sets it
-  paths = bench.main(["--suite=peers", f"--out={tmp_path}", "--quick"])
+  cases = [case for case in peers.CASES if case != "train_large"]
+  paths = bench.main(["--suite=peers", f"--out={tmp_path}", "--quick",
+                      f"--only={','.join(cases)}"])
   with open(paths["json"]) as f:
     rows = json.load(f)["rows"]
   checked = {row["case"] for row in rows if row["part"] == "agreement"}
-  assert checked == set(peers.CASES)
+  assert checked == set(cases)
   timed = {(row["case"], row["side"]) for row in rows if row.get("time_ms")}
-  assert timed == {(case, side) for case in peers.CASES for side in ("project", "pytorch")}
+  assert timed == {(case, side) for case in cases for side in ("project", "pytorch")}
   assert [row["implementation"] for row in rows if row.get("skipped")] == ["compile"]

@@ -49,6 +49,9 @@ CHECKPOINTS = {
     "mamba": lambda: transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4,
                                               num_hidden_layers=2, time_step_rank=4),
 }
+# Greedy continuation through the decode caches: one family each (GQA's, the rolling window's,
+# learned positions', the recurrent state's); the others decode with llama_gqa's code.
+GREEDY = ("llama_gqa", "mistral_window", "gpt2", "mamba")
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
@@ -95,7 +98,8 @@ def test_an_imported_checkpoint_gives_transformers_logits_and_greedy_continuatio
   tokens = _tokens()
   theirs = _hf_logits(hf_model, tokens)
   assert _relative_error(np.asarray(model(jnp.asarray(tokens))), theirs) < 1e-5
-
+  if name not in GREEDY:
+    return
   prompt = [int(t) for t in tokens[0, :6]]
   with torch.no_grad():
     expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
@@ -113,7 +117,8 @@ def test_each_rope_scaling_gives_transformers_logits_beyond_the_original_length(
   saved = config_fields.load_saved(run).model.rope
   assert saved.scaling == {"linear": "pi", "dynamic": "dynamic_ntk"}.get(kind, kind)
   tokens = _tokens(1)
-  assert _relative_error(np.asarray(model(jnp.asarray(tokens))), _hf_logits(hf_model, tokens)) < 1e-5
+  ours = np.asarray(model(jnp.asarray(tokens)))
+  assert _relative_error(ours, _hf_logits(hf_model, tokens)) < 1e-5
 
 
 def test_rotary_channels_are_reordered_from_halves_to_pairs():

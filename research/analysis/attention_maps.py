@@ -26,7 +26,7 @@ def attention_maps(run: trained.Checkpoints, name: str, out: str,
   layers = base.map_layers(config)
   step, state = run.state()
   if settings.text:
-    if not data.is_language_modeling(config) and config.data.name not in data.NEEDLE_NAMES:
+    if not data.is_text(config):
       raise ValueError(f"--text needs a text run; {name} is the task "
                        f"{config.data.name!r} (leave --text empty for random tokens)")
     text_tokens = tokenizer.get(config)

@@ -9,7 +9,8 @@ tfds.data_source into deterministic numpy batches.
                              evaluation batches at `length` inputs (of one needle depth)
   eval_depths(config)        needle depths evaluated per length; (None,) for other datasets
   vocab_size(config)         token ids the dataset uses (model.vocab_size must be >= this)
-  is_language_modeling(config)  True for byte corpora (loss, perplexity), False for tasks
+  is_language_modeling(config)  True for the corpora (loss, perplexity), False for tasks
+  is_text(config)            True for the corpora and the needle tasks (text, then tokens)
 
 Batches are dicts of numpy arrays `inputs`, `targets` (int32) and `loss_mask` (float32), and with
 data.packing = "documents" (language modeling) `segments` and `positions` (int32) too.
@@ -19,6 +20,7 @@ from research.data.catalog import NAMES
 from research.data.catalog import NEEDLE_NAMES
 from research.data.catalog import eval_depths
 from research.data.catalog import is_language_modeling
+from research.data.catalog import is_text
 from research.data.catalog import vocab_size
 from research.data.packing import PACKINGS
 from research.data.pipeline import eval_batches

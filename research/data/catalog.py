@@ -75,9 +75,14 @@ def is_language_modeling(config):
   return config.data.name not in TASK_NAMES
 
 
+def is_text(config):
+  """True for the corpora and the needle tasks: tokens of text (bytes, or data.tokenizer's)."""
+  return is_language_modeling(config) or config.data.name in NEEDLE_NAMES
+
+
 def vocab_size(config):
   """Number of token ids the configured dataset uses."""
-  if is_language_modeling(config) or config.data.name in NEEDLE_NAMES:
+  if is_text(config):
     return tokenizer.get(config).vocab_size
   return vocab.TaskVocab(config.data.task_vocab_size).size
 

@@ -125,9 +125,9 @@ def _write_example_arrays(examples, tokens_path, mask_path, dtype):
 
 
 def example_arrays(dataset, data_dir, split):
-  """(tokens [N, L + 1] uint16 (uint32 with a tokenizer), loss_mask [N, L] uint8) of a task split whose N examples all
-  have L inputs (inputs = tokens[:, :-1], targets = tokens[:, 1:], unless example_inputs gives
-  the inputs), read-only memory maps."""
+  """(tokens [N, L + 1] uint16 (uint32 with a tokenizer), loss_mask [N, L] uint8) of a task
+  split whose N examples all have L inputs (inputs = tokens[:, :-1], targets = tokens[:, 1:],
+  unless example_inputs gives the inputs), read-only memory maps."""
   key = (dataset.tfds_name, data_dir, split)
   if key not in _EXAMPLES:
     directory = os.path.join(data_dir, "examples", dataset.tfds_name, dataset.version)

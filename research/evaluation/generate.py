@@ -121,7 +121,7 @@ def generation_config(workdir, overrides=None):
     raise ValueError(f"generation may change only {', '.join(GENERATION_FIELDS)}, not "
                      f"{', '.join(others)} (they would not match the trained weights)")
   config.update_from_flattened_dict(overrides)
-  if not data.is_language_modeling(config) and config.data.name not in data.NEEDLE_NAMES:
+  if not data.is_text(config):
     raise ValueError(f"data.name={config.data.name!r} is a synthetic task with its own symbols; "
                      "generation needs a text run (a corpus or a needle task)")
   model_lib.validate(config.model)

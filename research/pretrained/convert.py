@@ -94,8 +94,7 @@ def lab_state(model_config, params_by_path: dict):
   """The model's nnx.State with every parameter from `params_by_path` ({path: array}), whose
   shapes must match; ValueError names any parameter missing, extra or of another shape."""
   abstract = nnx.eval_shape(lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-  flat = nnx.to_flat_state(state)
+  flat = nnx.to_flat_state(nnx.state(abstract))
   wanted = {path for path, _ in flat}
   missing = sorted(map(str, wanted - set(params_by_path)))
   extra = sorted(map(str, set(params_by_path) - wanted))
@@ -108,7 +107,7 @@ def lab_state(model_config, params_by_path: dict):
       raise ValueError(f"parameter {'/'.join(map(str, path))}: the checkpoint gives shape "
                        f"{value.shape}, the lab's model has {variable.get_value().shape}")
     variable.set_value(jnp.asarray(value, jnp.float32))
-  return graphdef, nnx.from_flat_state(flat)
+  return nnx.from_flat_state(flat)
 
 
 def _tokenizer_files(checkpoint_dir: str, hf: dict) -> dict:
@@ -173,7 +172,7 @@ def _import(checkpoint_dir, workdir, hf, family, tokenizer_files, overrides):
         json.dump(content, f)
   config = lab_config(hf, overrides, tokenizer_dir)
   params = hf_weights.to_lab(family, read_tensors(checkpoint_dir), config.model)
-  _, state = lab_state(config.model, params)
+  state = lab_state(config.model, params)
   manager = checkpoints.manager(workdir, keep=1)
   checkpoints.save(manager, 0, {"params": state})
   checkpoints.wait(manager)

@@ -14,6 +14,9 @@ weights give the same logits; nothing else changes (values and outputs are not r
 
 import math
 
+from research import attention
+from research import feed_forward
+
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2",
             "mamba": "mamba"}
 # transformers' rope_type -> the lab's model.rope.scaling.
@@ -204,7 +207,7 @@ def from_lab(model_config, max_length: int) -> dict:
     raise ValueError("this run cannot be exported as a Llama-family checkpoint: "
                      + "; ".join(reasons))
   m = model_config
-  heads = {"mha": m.num_heads, "mqa": 1, "gqa": m.num_kv_heads}[m.attention]
+  heads = attention.REGISTRY.lookup(m.attention).kv_heads(m)
   bias = m.softmax.projection_bias
   window = int(m.softmax.window)
   model_type = "mistral" if window else EXPORTED[bias]
@@ -237,6 +240,5 @@ def from_lab(model_config, max_length: int) -> dict:
 
 
 def _swiglu_width(model_config) -> int:
-  from research import feed_forward  # noqa: PLC0415 (the registry only for export)
   return feed_forward.REGISTRY.lookup("swiglu").hidden_width(
       feed_forward.REGISTRY.settings("swiglu", model_config), model_config)

@@ -15,6 +15,8 @@ import re
 
 import numpy as np
 
+from research import attention
+
 # Tensors some checkpoints carry that are not parameters (GPT-2's causal mask buffers).
 IGNORED = (re.compile(r".*\.attn\.(masked_)?bias$"), re.compile(r".*rotary_emb\.inv_freq$"))
 
@@ -58,8 +60,7 @@ def _head_bias(bias_O, heads, head_dim, rotary):
 
 
 def _kv_heads(model_config):
-  return {"mha": model_config.num_heads, "mqa": 1,
-          "gqa": model_config.num_kv_heads}[model_config.attention]
+  return attention.REGISTRY.lookup(model_config.attention).kv_heads(model_config)
 
 
 def _llama(t, m):
