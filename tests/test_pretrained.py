@@ -11,24 +11,32 @@ import os
 import numpy as np
 import pytest
 
+import jax
+import jax.numpy as jnp
+
+from research import data
+from research.data import catalog
+from research.data import needles
+from research.data import storage
+from research.data import tokenizer
+from research.evaluation import extrapolation
+from research.evaluation import generate
+from research.pretrained import convert
+from research.pretrained import hf_weights
+from research.runs import checkpoints
+from research.runs import config_fields
+
 INSTALL = "the Hugging Face extra: .venv/bin/pip install -r requirements-hf.txt"
-torch = pytest.importorskip("torch", reason=INSTALL)
-transformers = pytest.importorskip("transformers", reason=INSTALL)
+torch = transformers = None  # imported by _extra when this file's tests run, not at collection
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
-from research import data  # noqa: E402
-from research.data import catalog  # noqa: E402
-from research.data import needles  # noqa: E402
-from research.data import storage  # noqa: E402
-from research.data import tokenizer  # noqa: E402
-from research.evaluation import extrapolation  # noqa: E402
-from research.evaluation import generate  # noqa: E402
-from research.pretrained import convert  # noqa: E402
-from research.pretrained import hf_weights  # noqa: E402
-from research.runs import checkpoints  # noqa: E402
-from research.runs import config_fields  # noqa: E402
+@pytest.fixture(scope="module", autouse=True)
+def _extra():
+  """torch and transformers, or every test here skipped naming the install line. Imported here,
+  not at the top: every pytest-xdist worker collects this file, one runs it."""
+  global torch, transformers  # noqa: PLW0603
+  torch = pytest.importorskip("torch", reason=INSTALL)
+  transformers = pytest.importorskip("transformers", reason=INSTALL)
 
 EOS = "<|endoftext|>"
 VOCAB = 300  # above the lab's 258 byte tokens, which the run's default data needs
