@@ -111,14 +111,14 @@ def lab_state(model_config, params_by_path: dict):
 
 
 def _tokenizer_files(checkpoint_dir: str, hf: dict) -> dict:
-  """{file name: JSON} of the checkpoint's tokenizer to copy into RUN/tokenizer (empty if it has
-  no tokenizer.json); tokenizer_config.json gains the eos_token of config.json's eos_token_id
-  where it names none."""
+  """{file name: text} of the checkpoint's tokenizer to write into RUN/tokenizer (empty if it has
+  no tokenizer.json): tokenizer.json as it is, and tokenizer_config.json with the eos_token of
+  config.json's eos_token_id where it names none."""
   path = os.path.join(checkpoint_dir, "tokenizer.json")
   if not os.path.exists(path):
     return {}
   with open(path) as f:
-    files = {"tokenizer.json": json.load(f)}
+    files = {"tokenizer.json": f.read()}
   settings = {}
   if os.path.exists(os.path.join(checkpoint_dir, "tokenizer_config.json")):
     with open(os.path.join(checkpoint_dir, "tokenizer_config.json")) as f:
@@ -127,9 +127,9 @@ def _tokenizer_files(checkpoint_dir: str, hf: dict) -> dict:
   eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
   if not settings.get("eos_token") and eos_id is not None:
     vocabulary = {token["id"]: token["content"]
-                  for token in files["tokenizer.json"].get("added_tokens", [])}
+                  for token in json.loads(files["tokenizer.json"]).get("added_tokens", [])}
     settings["eos_token"] = vocabulary.get(eos_id)
-  files["tokenizer_config.json"] = settings
+  files["tokenizer_config.json"] = json.dumps(settings)
   return files
 
 
@@ -169,7 +169,7 @@ def _import(checkpoint_dir, workdir, hf, family, tokenizer_files, overrides):
     os.makedirs(tokenizer_dir)
     for name, content in tokenizer_files.items():
       with open(os.path.join(tokenizer_dir, name), "w") as f:
-        json.dump(content, f)
+        f.write(content)
   config = lab_config(hf, overrides, tokenizer_dir)
   params = hf_weights.to_lab(family, read_tensors(checkpoint_dir), config.model)
   state = lab_state(config.model, params)
