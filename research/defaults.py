@@ -9,7 +9,7 @@ overridden on the command line, e.g.
       --config.model.attention=gqa --config.model.num_kv_heads=2
 """
 
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import ml_collections
 
@@ -159,11 +159,40 @@ def _flatten_into(flat, prefix, node):
     if isinstance(value, (ml_collections.ConfigDict, dict)):
       _flatten_into(flat, f"{prefix}{key}.", value)
     else:
-      flat[f"{prefix}{key}"] = _as_json(value)
+      flat[f"{prefix}{key}"] = as_json(value)
 
 
-def _as_json(value):
+def as_json(value):
   """The value as a JSON round trip returns it: tuples as lists, a type as its name."""
   if isinstance(value, (tuple, list)):
-    return [_as_json(v) for v in value]
+    return [as_json(v) for v in value]
   return str(value) if isinstance(value, type) else value
+
+
+class _NotFrozen(Exception):
+  """A value of a kind that `frozen` does not vouch for."""
+
+
+def frozen(value) -> Hashable | None:
+  """A hashable form of a config value (a leaf, a tuple, a list or a dict of them), equal only
+  for values that any check treats alike, or None for a value of another kind: memos of checks
+  key on it. Python's equality is too loose for that (1 == 1.0 == True and 0.0 == -0.0, which a
+  check or its message may tell apart), so the type is part of it at every level, and a float
+  goes by its repr."""
+  try:
+    return _frozen(value)
+  except _NotFrozen:
+    return None
+
+
+def _frozen(value):
+  kind = type(value)
+  if kind is float:
+    return kind, repr(value)
+  if kind in (str, int, bool, type(None)):
+    return kind, value
+  if kind in (tuple, list):
+    return kind, tuple(map(_frozen, value))
+  if kind is dict:
+    return kind, tuple((_frozen(k), _frozen(v)) for k, v in value.items())
+  raise _NotFrozen(kind)

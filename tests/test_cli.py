@@ -3,11 +3,10 @@ one line and exit status 1 (experiments/cli.py), whatever the mistake."""
 
 import os
 import re
-import subprocess
-import sys
+
+from tests import forked_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT)
 
 
 def entry_points() -> list[str]:
@@ -20,14 +19,9 @@ def entry_points() -> list[str]:
   return names
 
 
-def _start(module, *args):
-  return subprocess.Popen([sys.executable, "-m", f"experiments.{module}", *args], env=ENV,
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _error_line(process):
-  _, errors = process.communicate(timeout=300)
-  assert process.returncode == 1, errors[-2000:]
+def _error_line(result):
+  errors = result.stderr
+  assert result.returncode == 1, errors[-2000:]
   assert "Traceback" not in errors, errors[-2000:]
   lines = [line for line in errors.splitlines() if line.strip()]
   assert len(lines) == 1 and lines[0].startswith("error: "), errors[-2000:]
@@ -40,11 +34,11 @@ def test_every_entry_point_refuses_an_unknown_flag_and_a_misspelt_field_in_one_l
           "bench_data", "accelerator_check"} <= set(modules)
   workdir = str(tmp_path / "new")
   config = os.path.join(ROOT, "tests", "tiny_config.py")
-  processes = {module: _start(module, f"--config={config}", f"--workdir={workdir}",
-                              "--no_such_flag=1", "--config.train.num_step=5")
-               for module in modules}
-  for module, process in processes.items():
-    line = _error_line(process)
+  results = forked_commands.run([
+      (module, [f"--config={config}", f"--workdir={workdir}", "--no_such_flag=1",
+                "--config.train.num_step=5"]) for module in modules])
+  for module, result in zip(modules, results):
+    line = _error_line(result)
     # Each names a mistake: the unknown flag with the flags the command takes, or the misspelt
     # field with the closest one (a config flag with a default applies the fields at import).
     assert (re.search(r"unknown flag [^;]*--no_such_flag[^;]*; this command takes .*--verbose",
@@ -59,8 +53,9 @@ def test_every_entry_point_refuses_an_unknown_flag_and_a_misspelt_field_in_one_l
 def test_the_shared_flags_mean_the_same_everywhere(tmp_path):
   """plot takes its directory as --workdir or as an argument (not both), and a command without
   a config says so instead of ignoring --config.x (bench's --out is the alias of --workdir)."""
-  two = _start("plot", f"--workdir={tmp_path}/a", f"{tmp_path}/b")
-  bench = _start("bench", "--suite=mixers", f"--out={tmp_path}/c", "--config.model.d_model=8")
+  two, bench = forked_commands.run([
+      ("plot", [f"--workdir={tmp_path}/a", f"{tmp_path}/b"]),
+      ("bench", ["--suite=mixers", f"--out={tmp_path}/c", "--config.model.d_model=8"])])
   assert "give one directory" in _error_line(two)
   assert "--config.model.d_model: this command takes no --config" in _error_line(bench)
   assert not os.listdir(tmp_path)

@@ -15,6 +15,7 @@ from research.evaluation import results as eval_results
 from research.evaluation import extrapolation
 from research.results import report
 from research.training import loop as train
+from tests import forked_commands
 from tests import tiny_config
 from tests.conftest import xla_flags
 
@@ -101,12 +102,10 @@ def test_user_errors_are_one_line_and_write_nothing(trained_run, tmp_path):
       ("train", [f"--config={config_file}", f"--workdir={new}", "--config.train.weight_decay=-1",
                  "--verbose"], "Traceback"),
   ]
-  processes = [subprocess.Popen([sys.executable, "-m", f"experiments.{module}", *args], env=ENV,
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for module, args, _ in cases]
-  for process, (module, args, expected) in zip(processes, cases):
-    _, errors = process.communicate(timeout=300)
-    assert process.returncode == 1, (module, args, errors[-2000:])
+  results = forked_commands.run([(module, args) for module, args, _ in cases])
+  for result, (module, args, expected) in zip(results, cases):
+    errors = result.stderr
+    assert result.returncode == 1, (module, args, errors[-2000:])
     if "--verbose" in args:
       assert expected in errors and "must be >= 0" in errors
       continue

@@ -21,6 +21,7 @@ from typing import Callable
 
 import ml_collections
 
+from research import defaults
 from research.training import checks
 from research.runs import config_fields
 from research.evaluation import extrapolation
@@ -61,6 +62,13 @@ def run_name(overrides):
 def apply_overrides(config, overrides):
   """A copy of `config` with dotted-key overrides; an unknown key names the valid ones."""
   config = config.copy_and_resolve_references()
+  _set_overrides(config, overrides)
+  return config
+
+
+def _set_overrides(config, overrides):
+  """Set the overrides in `config`; returns [(key, the node it set a field of, field)]."""
+  fields = []
   for key, value in overrides.items():
     *path, field = key.split(".")
     node = config
@@ -75,7 +83,125 @@ def apply_overrides(config, overrides):
       raise ValueError(f"unknown sweep axis {key!r}; {hint}valid fields of "
                        f"{'.'.join(path) or 'config'}: {', '.join(sorted(node.keys()))}")
     node[field] = type(node[field])(value) if isinstance(node[field], tuple) else value
-  return config
+    fields.append((key, node, field))
+  return fields
+
+
+class _Base:
+  """The sweep's base config, from which each member is made: what apply_overrides and flatten
+  give for each of thousands of members, at a fraction of their cost.
+
+  apply_overrides copies the base with copy_and_resolve_references, whose ConfigDict.__setitem__
+  per field costs a third of an expansion. Here the base is resolved once, and each member copies
+  the resolved tree (`_copy`): what copy_and_resolve_references makes of a tree without
+  references, plain dicts or a node reached twice (`plain`; another base takes the slow path).
+  A member's flattened config is the base's with the fields the member set read back from it
+  (after ConfigDict's casts), where those are leaves of the base and still are; else it is
+  flattened afresh."""
+
+  def __init__(self, config):
+    self.config = config
+    self.resolved = config.copy_and_resolve_references()
+    self.plain = _plain(self.resolved, set())
+    self.flat = defaults.flatten(self.resolved) if self.plain else None
+    self.template = _template(self.resolved) if self.plain else None
+
+  def member(self, overrides):
+    """(apply_overrides(base, overrides), the copy's flattened config)."""
+    if not self.plain:
+      config = apply_overrides(self.config, overrides)
+      return config, defaults.flatten(config)
+    config = _copy(self.template)
+    return config, self.updated_flat(config, _set_overrides(config, overrides))
+
+  def reset(self, config, overrides, names):
+    """(unread.reset(config, names), its flattened config) for a member made by `member`."""
+    if not self.plain:
+      config = unread.reset(config, names)
+      return config, defaults.flatten(config)
+    unread.set_defaults(config, names)  # the member's own copy: no need for another
+    names = [*overrides, *names]
+    if any(name not in self.flat for name in names):  # as in updated_flat
+      return config, defaults.flatten(config)
+    fields = []
+    for name in names:  # each a leaf of the base, so none replaced the sections above another
+      *path, field = name.split(".")
+      node = config
+      for part in path:
+        node = node[part]
+      fields.append((name, node, field))
+    return config, self.updated_flat(config, fields)
+
+  def model_key(self, overrides, reset):
+    """A key equal only for members with equal model sections (checks.ModelMemo), or None: the
+    model overrides in order and the model fields reset to defaults, since a member's model
+    section is the base's with these and nothing else (in a `plain` base, no section is
+    another's)."""
+    model_overrides = tuple((key, defaults.frozen(value)) for key, value in overrides.items()
+                            if unread.within(key, "model"))
+    if not self.plain or any(value is None for _, value in model_overrides):
+      return None
+    return model_overrides, tuple(name for name in reset if unread.within(name, "model"))
+
+  def updated_flat(self, config, fields):
+    """defaults.flatten(config) for a member made from the base that set only `fields`, each
+    (dotted name, the node it is a field of, field)."""
+    flat = dict(self.flat)
+    # Where one is a section, the tree's shape may have changed; where none is, the nodes hold.
+    if any(name not in flat for name, _, _ in fields):
+      return defaults.flatten(config)
+    for name, node, field in fields:
+      value = node[field]
+      if isinstance(value, (ml_collections.ConfigDict, dict)):  # a None leaf set to a section
+        return defaults.flatten(config)
+      flat[name] = defaults.as_json(value)
+    return flat
+
+
+def _plain(node, seen):
+  """Whether `node` is a tree of ConfigDicts (no subclass, no node twice, no attributes but
+  ConfigDict's own) with keys free of dots and no FieldReference or dict among its values: one
+  that _copy copies as copy_and_resolve_references would, and whose flattened names each name
+  one field."""
+  if (type(node) is not ml_collections.ConfigDict or id(node) in seen
+      or vars(node).keys() != _CONFIGDICT_ATTRIBUTES):  # as _copy sets them
+    return False
+  seen.add(id(node))
+  for key, value in node._fields.items():  # noqa: SLF001
+    if not isinstance(key, str) or "." in key:
+      return False
+    if isinstance(value, (ml_collections.FieldReference, dict)):
+      return False
+    if isinstance(value, ml_collections.ConfigDict) and not _plain(value, seen):
+      return False
+  return True
+
+
+_CONFIGDICT_ATTRIBUTES = vars(ml_collections.ConfigDict()).keys()
+
+
+def _template(node):
+  """What _copy builds copies of `node` (a `_plain` tree) from: its attributes, its fields, and
+  the templates of its ConfigDict fields."""
+  children = [(key, _template(value)) for key, value in node._fields.items()  # noqa: SLF001
+              if type(value) is ml_collections.ConfigDict]
+  return vars(node), node._fields, children  # noqa: SLF001
+
+
+def _copy(template, new=object.__new__, config_dict=ml_collections.ConfigDict):
+  """node.copy_and_resolve_references() of the `_plain` node of `template` when that node was
+  made by copy_and_resolve_references (so has the attributes of such a copy): new ConfigDicts
+  with its attributes and new fields dicts (the leaves shared, as there), made without
+  ConfigDict.__init__ and __setitem__, whose checks every field of such a copy passes. (The
+  defaults spare global lookups in what runs for every node of every member.)"""
+  attributes, fields, children = template
+  copy = new(config_dict)
+  state = copy.__dict__
+  state.update(attributes)
+  fields = state["_fields"] = fields.copy()
+  for key, child in children:
+    fields[key] = _copy(child)
+  return copy
 
 
 def expand(sweep, base_config, num_devices):
@@ -84,13 +210,16 @@ def expand(sweep, base_config, num_devices):
     raise ValueError("the sweep is empty: get_sweep() returned no overrides; give at least one "
                      "override dict (an empty dict {} runs the base config)")
   members, names, never_read = [], set(), None
+  base, model_checks = _Base(base_config), {}
   for index, overrides in enumerate(sweep):
-    config = apply_overrides(base_config, overrides)
+    config, flat = base.member(overrides)
     # The experiment's shared settings apply to the members that read them (module docstring).
-    settings = unread.unread_settings_if_valid(config)
+    memo = checks.ModelMemo(model_checks, base.model_key(overrides, ()))
+    settings = unread.unread_settings_if_valid(config, flat=flat, memo=memo)
     not_read_here = unread.outside(settings or {}, overrides)
     if not_read_here:  # reset: validation finds what is left unread again
-      config, settings = unread.reset(config, not_read_here), None
+      config, flat, settings = *base.reset(config, overrides, not_read_here), None
+      memo = checks.ModelMemo(model_checks, base.model_key(overrides, not_read_here))
     never_read = dict(not_read_here) if never_read is None else {
         name: who for name, who in never_read.items() if name in not_read_here}
     name = run_name(overrides)
@@ -99,7 +228,7 @@ def expand(sweep, base_config, num_devices):
     names.add(name)
     member = Member(index, name, dict(overrides), config)
     try:
-      checks.validate_config(config, num_devices, unread_settings=settings)
+      checks.validate_config(config, num_devices, unread_settings=settings, flat=flat, memo=memo)
     except model_lib.IncompatibleError as e:
       member.skip_reason = str(e)
     except ValueError as e:

@@ -16,7 +16,8 @@ Two places apply the same rule without refusing:
 """
 
 import functools
-from typing import Iterator
+import types
+from typing import Iterator, NamedTuple
 
 import ml_collections
 
@@ -47,7 +48,8 @@ def _used_variants(config) -> dict[str, str]:
 
 
 def _rules(config) -> Iterator[tuple[str, bool, str]]:
-  """(field or section, whether this config reads it, who reads it)."""
+  """(field or section, whether this config reads it, who reads it). Reads only the model section
+  and the fields of _ChoicesRead: not_read memoises on them, and hands this function no more."""
   d, m = config.data, config.model
   name = d.name
   language_modeling = name not in catalog.TASK_NAMES
@@ -130,24 +132,54 @@ def within(name: str, prefix: str) -> bool:
 
 def enclosing(name: str, sections: dict[str, str]) -> str | None:
   """The entry of `sections` that dotted `name` is or lies inside, or None."""
-  parts = name.split(".")
-  for end in range(1, len(parts) + 1):
-    section = ".".join(parts[:end])
-    if section in sections:
-      return section
-  return None
+  end = name.find(".")
+  while end != -1:  # each enclosing section, outermost first
+    if name[:end] in sections:
+      return name[:end]
+    end = name.find(".", end + 1)
+  return name if name in sections else None
 
 
-def not_read(config: ml_collections.ConfigDict) -> dict[str, str]:
+def not_read(config: ml_collections.ConfigDict, *, memo=None) -> dict[str, str]:
   """{field or section this config does not read: who reads it}. Assumes the choices (data.name,
-  the model's variants) are valid: research.training.checks validates them first."""
+  the model's variants) are valid: research.training.checks validates them first. `memo`: a
+  research.training.checks.ModelMemo, where configs that share model sections are checked
+  together; the dict returned is then shared by them too, not to be changed. Without a memo
+  (or a key) the config is read as _rules needs it, a field at a time: tests/test_unread.py
+  records a run's reads; with one, the fields of _ChoicesRead are read up front."""
+  if memo is None or memo.model_key is None:
+    return _not_read(config)
+  try:
+    choices = _ChoicesRead(config.model, types.SimpleNamespace(name=config.data.name),
+                           types.SimpleNamespace(modes=config.eval.modes),
+                           types.SimpleNamespace(
+                               coordinator_address=config.distributed.coordinator_address))
+  except (AttributeError, KeyError):  # a config without them: as _rules reads it, unmemoised
+    return _not_read(config)
+  return memo.run(_not_read, choices, reads=(choices.data.name, choices.eval.modes,
+                                             choices.distributed.coordinator_address))
+
+
+class _ChoicesRead(NamedTuple):
+  """What _rules reads of a config, and no more: not_read memoises _rules on the model section and
+  these fields, and a rule that read another field would fail here rather than be memoised on
+  too little."""
+  model: ml_collections.ConfigDict
+  data: types.SimpleNamespace  # name
+  eval: types.SimpleNamespace  # modes
+  distributed: types.SimpleNamespace  # coordinator_address
+
+
+def _not_read(config) -> dict[str, str]:
   return {field: who for field, reads, who in _rules(config) if not reads}
 
 
-def unread_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
-  """{field set away from its default that this config does not read: who reads it}."""
-  values, default = defaults.flatten(config), defaults.flat_defaults()
-  skipped = not_read(config)
+def unread_settings(config: ml_collections.ConfigDict, *, flat=None,
+                    memo=None) -> dict[str, str]:
+  """{field set away from its default that this config does not read: who reads it}.
+  `flat`: defaults.flatten(config), where the caller has it; `memo`: as not_read's."""
+  values, default = defaults.flatten(config) if flat is None else flat, defaults.flat_defaults()
+  skipped = not_read(config, memo=memo)
   unread = {}
   for name, value in values.items():
     if value == default.get(name):
@@ -177,10 +209,11 @@ def experiment_settings_not_read(config: ml_collections.ConfigDict, overrides) -
   return outside(unread_settings_if_valid(config) or {}, overrides)
 
 
-def unread_settings_if_valid(config: ml_collections.ConfigDict) -> dict[str, str] | None:
+def unread_settings_if_valid(config: ml_collections.ConfigDict, *, flat=None,
+                             memo=None) -> dict[str, str] | None:
   """unread_settings(config), or None when a choice is invalid (validation names it)."""
   try:
-    return unread_settings(config)
+    return unread_settings(config, flat=flat, memo=memo)
   except ValueError:
     return None
 
@@ -209,8 +242,14 @@ def _from_json(value):
 def reset(config: ml_collections.ConfigDict, names) -> ml_collections.ConfigDict:
   """A copy of `config` with the fields `names` at their defaults."""
   config = config.copy_and_resolve_references()
+  set_defaults(config, names)
+  return config
+
+
+def set_defaults(config: ml_collections.ConfigDict, names):
+  """Set the fields `names` of `config` to their defaults, in place (reset, on a copy)."""
   if not names:
-    return config
+    return
   default = defaults.flat_defaults()
   for name in names:
     *sections, field = name.split(".")
@@ -218,4 +257,3 @@ def reset(config: ml_collections.ConfigDict, names) -> ml_collections.ConfigDict
     for section in sections:
       node = node[section]
     node[field] = _from_json(default[name])
-  return config

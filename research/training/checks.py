@@ -1,8 +1,10 @@
 """Checks that run before any work: a bad config or workdir fails here and writes nothing."""
 
+import dataclasses
 import importlib.util
 import json
 import os
+from typing import Callable, Hashable
 
 import ml_collections
 
@@ -10,6 +12,7 @@ from research.runs import checkpoints
 from research.runs import config_fields
 from research.runs import unread
 from research import data
+from research import defaults
 from research import model as model_lib
 from research import positions
 from research import sharding
@@ -37,24 +40,55 @@ FIELD_RULES = (
 )
 
 
-def check_fields(config: ml_collections.ConfigDict):
-  """Raise ValueError naming every train/eval field of FIELD_RULES out of its range."""
-  values = config_fields.flatten(config)
+def check_fields(config: ml_collections.ConfigDict, flat=None):
+  """Raise ValueError naming every train/eval field of FIELD_RULES out of its range.
+  `flat`: defaults.flatten(config), where the caller has it."""
+  values = config_fields.flatten(config) if flat is None else flat
   problems = [f"{field}={values[field]!r} must be {valid}"
               for field, is_valid, valid in FIELD_RULES if not is_valid(values[field])]
   if problems:
     raise ValueError("; ".join(problems))
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelMemo:
+  """The checks that read only a config's model section (and values named with them) run once
+  for all the configs validated together whose model sections are equal: a sweep validates
+  thousands of members and a few hundred distinct model sections (research.results.sweep).
+  `results` is shared by those configs; `model_key`, hashable, is equal only for equal model
+  sections (a sweep's: the model overrides that made the section from the common base), or None
+  to check afresh. A check that raises records nothing: it runs again and raises the same."""
+  results: dict
+  model_key: Hashable | None
+
+  def run(self, check: Callable, *args, reads=()):
+    """check(*args), or what it returned for this model section and the values `reads` (the
+    config values among `args` that are not of the model section)."""
+    if self.model_key is None:
+      return check(*args)
+    key = (check, self.model_key, tuple(map(defaults.frozen, reads)))
+    if None in key[2]:  # a value that defaults.frozen does not vouch for
+      return check(*args)
+    if key not in self.results:
+      self.results[key] = check(*args)
+    return self.results[key]
+
+
+_UNMEMOISED = ModelMemo({}, None)
+
+
 def validate_config(config, num_devices, process_count=1, *, unread_settings=None,
-                    training=True):
+                    training=True, flat=None, memo: ModelMemo | None = None):
   """Raise ValueError naming what is wrong and what would be valid. Returns the mesh shape.
-  `unread_settings`: research.runs.unread.unread_settings(config), where the caller has it.
-  training=False checks a saved run's config for evaluation: train.num_steps may be 0 there (an
-  imported checkpoint's run, research/pretrained)."""
-  check_fields(config)
-  model_lib.validate(config.model)
-  model_lib.validate_lengths(config.model, config.train.seq_len, config.eval.lengths)
+  `unread_settings`: research.runs.unread.unread_settings(config), and `flat`:
+  defaults.flatten(config), where the caller has them; `memo`: where configs validated together
+  share model sections (ModelMemo). training=False checks a saved run's config for evaluation:
+  train.num_steps may be 0 there (an imported checkpoint's run, research/pretrained)."""
+  memo = memo or _UNMEMOISED
+  check_fields(config, flat)
+  memo.run(model_lib.validate, config.model)
+  memo.run(model_lib.validate_lengths, config.model, config.train.seq_len, config.eval.lengths,
+           reads=(config.train.seq_len, config.eval.lengths))
   unknown = [s for s in config.eval.rope_scalings if s not in positions.SCALINGS]
   if unknown:
     raise ValueError(f"unknown eval.rope_scalings {unknown}; valid: {', '.join(positions.SCALINGS)}")
@@ -103,7 +137,8 @@ def validate_config(config, num_devices, process_count=1, *, unread_settings=Non
   if config.eval.batch_size % batch_parallel:
     raise ValueError(f"eval.batch_size={config.eval.batch_size} must be a multiple of the "
                      f"data-parallel size data*fsdp={batch_parallel}")
-  unread.check(config, unread_settings)
+  unread.check(config, unread_settings if unread_settings is not None
+               else unread.unread_settings(config, flat=flat, memo=memo))
   return shape
 
 
