@@ -5,10 +5,12 @@
 
 Four steps, each a subprocess with its own time limit (a step that fails or runs out is
 reported as such and the next one runs):
-  tests      the kernel and conformance tests on the accelerator (JAX_PLATFORMS=cuda; the
+  tests      the kernel, conformance and Pallas-backend tests on the accelerator
+             (JAX_PLATFORMS=cuda: the Pallas kernel compiled by Triton, not interpreted; the
              8-device sharding tests need 8 devices and are left to CPU, where CI runs them)
   mixers     `experiments.bench --suite=mixers --dtype=bfloat16` at 1024, 4096, 16384 tokens:
-             xla, blockwise, cudnn and every bias kernel; the chunked and associative scans
+             xla, blockwise, cudnn, pallas and every bias kernel; the chunked and associative
+             scans
   recurrent  `experiments.bench --suite=recurrent --dtype=bfloat16`: each recurrent mixer's
              chunked form (SSD for Mamba-2 when registered) against its token-by-token recurrence
   mfu        60 training steps of configs/model_125m.py:mfu (127M parameters, 2048 context,
@@ -48,7 +50,8 @@ def steps(out, dry_run):
   python = sys.executable
   bench = [python, "-m", "experiments.bench", "--dtype=float32" if dry_run else "--dtype=bfloat16"]
   size = ["--quick"] if dry_run else []
-  tests = ["tests/test_kernels.py", "tests/test_conformance.py", "-k",
+  tests = ["tests/test_kernels.py", "tests/test_conformance.py", "tests/test_pallas_backend.py",
+           "-k",
            "(mha-rope-xla or linear-rope) and not sharded" if dry_run else "not sharded"]
   platform = {"JAX_PLATFORMS": "cpu" if dry_run else "cuda",
               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}

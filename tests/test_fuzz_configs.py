@@ -40,7 +40,7 @@ FIELD_VALUES = {
     "model.num_kv_heads": [0, 1, 2, 3],
     "model.mlp_ratio": [0, 1, -1],
     "model.vocab_size": [0, 1, 258, 300],
-    "model.attention_backend": ["auto", "xla", "blockwise", "cudnn", "bogus"],
+    "model.attention_backend": ["auto", "xla", "blockwise", "cudnn", "pallas", "bogus"],
     "model.compute_dtype": ["float32", "bfloat16", "float16", "bogus"],
     "model.randomize_max_length": [0, 16, 64, -1],
     "model.layer_pattern": [(), ("mha",), ("mamba", "mha"), ("bogus",)],

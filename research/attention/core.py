@@ -40,9 +40,14 @@ Backends (what each can express, and which `auto` picks):
              shorten the schedule)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU, half precision; takes
              an additive bias and a mask, refuses `modify` and V != H by name
+  pallas     research.attention.pallas_backend: the FlashAttention-2 kernel JAX ships in Pallas
+             (Triton on a GPU, interpret mode on a CPU): causal, packed documents, V == H; refuses
+             a score modification, a window, sinks and block-sparse patterns by name
   auto       cudnn where it can run the call (a GPU, bfloat16 / float16, nothing it refuses);
              on a CPU xla below AUTO_BLOCKWISE_FROM (1024) tokens and blockwise from there on
              (the crossover of the two measured fwd+bwd on a 2-core CPU); xla otherwise.
+             It never picks pallas: no GPU has run it in this project yet (`make
+             accelerator-check` times it where one is lent).
 `probabilities` returns the materialised attention weights of the same computation (the
 analyses read them from here).
 
@@ -62,11 +67,12 @@ import jax
 import jax.numpy as jnp
 
 from research.attention import masks
+from research.attention import pallas_backend
 from research.attention import stick_breaking_kernel
 from research.attention.blockwise import blockwise
 from research.attention.masks import CAUSAL, MaskSpec  # noqa: F401 (re-exported)
 
-BACKENDS = ("auto", "xla", "blockwise", "cudnn")
+BACKENDS = ("auto", "xla", "blockwise", "cudnn", "pallas")
 # The backends that run a contextual score (ScoreMod.contextual: whole rows of logits).
 CONTEXTUAL_BACKENDS = ("auto", "xla")
 # What turns the logits into attention weights (`normaliser` of attend and probabilities).
@@ -134,10 +140,22 @@ def _with_sinks(sink_queries, mask):
 
 
 def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=None,
-             platform=None, sink_queries=False):
+             platform=None, sink_queries=False, mask=None):
   """Why `backend` cannot run a call with these properties ([] when it can)."""
   platform = platform or jax.default_backend()
   reasons = []
+  if backend == "pallas":
+    if platform not in ("gpu", "cpu"):
+      reasons.append(f"'pallas' is JAX's GPU (Triton) kernel, run in interpret mode on a CPU; "
+                     f"JAX runs on {platform!r}")
+    if score_mod is not None:
+      reasons.append("'pallas' takes no score modification (a bias scheme, gates, CoPE): use "
+                     "'blockwise' or 'xla'")
+    if mask is not None and (mask.window or mask.keep is not None):
+      reasons.append("'pallas' runs causal attention (within packed documents) only, not a "
+                     "sliding window, sinks or a block-sparse pattern: use 'blockwise'")
+    if value_dim is not None and head_dim is not None and value_dim != head_dim:
+      reasons.append(f"'pallas' needs values as wide as keys, got {value_dim} != {head_dim}")
   if backend == "cudnn":
     if sink_queries:
       reasons.append("'cudnn' takes one query per token, not the sink queries of StreamingLLM's "
@@ -302,10 +320,15 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
   if backend == "auto":
     backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
                            value_dim=width, sink_queries=with_sinks)
+  if backend == "pallas" and _without_scores(score_mod, score_params, inputs):
+    score_mod = None
   reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width,
-                     sink_queries=with_sinks)
+                     sink_queries=with_sinks, mask=mask)
   if reasons:
     raise ValueError(f"attention backend {backend!r} cannot run this call: {'; '.join(reasons)}")
+  if backend == "pallas":
+    return pallas_backend.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, scale=scale,
+                                    segments_BxT=segments_BxT)
   if backend == "blockwise":
     return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
                      block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,
@@ -324,6 +347,14 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
   return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)
 
 
+def _without_scores(score_mod, score_params, inputs):
+  """Whether `score_mod` changes no logit: no modify or contextual change, and a bias that is
+  None for these inputs (a mixer passes its scheme's bias function whatever the scheme; RoPE's
+  gives None)."""
+  return score_mod is None or (score_mod.additive and (
+      score_mod.bias is None or score_mod.bias(score_params, inputs, inputs) is None))
+
+
 def _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, *, scale, score_mod,
                            score_params, inputs, mask, segments_BxT, backend, block_size,
                            backends):
@@ -334,7 +365,8 @@ def _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, *, scale, sco
                            q_BxTxNxH.dtype)
   if backend not in ("xla", "blockwise"):
     raise ValueError(f"attention backend {backend!r} cannot run stick-breaking attention; valid: "
-                     "'auto', 'xla' (materialised) or 'blockwise' (cuDNN has no such kernel)")
+                     "'auto', 'xla' (materialised) or 'blockwise' (cuDNN and Pallas have no such "
+                     "kernel)")
   if backend == "blockwise":
     return stick_breaking_kernel.blockwise_attention(
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, block_size=block_size,

@@ -122,6 +122,8 @@ class SoftmaxAttention(base.Mixer):
       if reasons:
         raise ValueError(f"attention_backend 'cudnn' cannot run here: {'; '.join(reasons)}; "
                          "use 'xla' or 'blockwise'")
+    if backend == "pallas":
+      cls._check_pallas(settings, model_config)
     if settings.block_size < 1:
       raise ValueError(f"model.softmax.block_size must be >= 1, got {settings.block_size}")
     masks.check_window(settings.window, settings.sinks)
@@ -133,6 +135,17 @@ class SoftmaxAttention(base.Mixer):
       raise ValueError(f"unknown model.softmax.sink_positions {settings.sink_positions!r}; valid: "
                        f"{', '.join(map(repr, SINK_POSITIONS))} (StreamingLLM's positions in the "
                        "rolling cache, or each token's own position)")
+
+  @classmethod
+  def _check_pallas(cls, settings, model_config):
+    """What the Pallas kernel cannot express (core.refusals), named before any work."""
+    scores = positions.REGISTRY.lookup(model_config.position).hooks() & cls.position_hooks
+    reasons = core.refusals(
+        "pallas", mask=cls.mask_spec(settings),
+        score_mod=core.ScoreMod() if scores & {BIAS, CONTEXT} else None)
+    if reasons:
+      raise ValueError(f"attention_backend 'pallas' cannot run model.position="
+                       f"{model_config.position!r} with this model: {'; '.join(reasons)}")
 
   @classmethod
   def _check_contextual(cls, settings, model_config):

@@ -76,6 +76,10 @@ def _blockwise(q, k, v):
   return core.attend(q, k, v, backend="blockwise", block_size=BLOCK_SIZE)
 
 
+def _pallas(q, k, v):
+  return core.attend(q, k, v, backend="pallas")
+
+
 def _bias_kernel(name):
   """blockwise attention with scheme `name`'s score bias, at its default settings."""
   config = defaults.get_config().model
@@ -130,15 +134,16 @@ def _mamba_sequential(*inputs):
 
 
 def kernels(backend=None):
-  """The kernels to measure on `backend` (default: JAX's); cudnn only on a GPU."""
+  """The kernels to measure on `backend` (default: JAX's); cudnn and pallas only on a GPU."""
   backend = backend or jax.default_backend()
   table = [Kernel("xla", "softmax", _xla, _attention_shapes),
            Kernel("blockwise", "softmax", _blockwise, _attention_shapes)]
   table += [_bias_kernel(name) for name, cls in positions.REGISTRY.items()
             if positions.BIAS in cls.hooks()]
   table.append(Kernel("blockwise_fox", "softmax", _blockwise_fox, _fox_shapes))
-  if backend == "gpu":
-    table.append(Kernel("cudnn", "softmax", _cudnn, _attention_shapes))
+  if backend == "gpu":  # on a CPU pallas runs in interpret mode: a test, not a benchmark
+    table += [Kernel("cudnn", "softmax", _cudnn, _attention_shapes),
+              Kernel("pallas", "softmax", _pallas, _attention_shapes)]
   table += [Kernel("linear", "linear", _linear, _attention_shapes),
             Kernel("linear_naive", "linear", _linear_naive, _attention_shapes),
             Kernel("mamba", "ssm", _mamba, _scan_shapes),
