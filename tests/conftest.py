@@ -107,15 +107,13 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
-# The longest files first (seconds on 2 cores, 2026-12-03): pytest-xdist's loadfile scheduling
-# hands out whole files in collection order, so a long file collected last ran alone at the end
-# while the other worker idled.
-LONGEST_FILES = ("test_conformance.py",  # ~230 s
-                 "test_train.py",  # ~150 s
-                 "test_sweep.py",  # ~120 s
-                 "test_bench.py", "test_kernels.py",  # ~90-100 s each
-                 "test_lost_process.py",  # ~65 s
-                 "test_streaming_sinks.py", "test_workflow.py")  # ~45 s each
+# The longest files first (seconds on 2 busy cores, 2026-12-03): pytest-xdist's loadfile
+# scheduling hands out whole files in collection order, so a long file collected last ran alone at
+# the end while the other worker idled.
+LONGEST_FILES = ("test_conformance.py",  # ~265 s
+                 "test_train.py", "test_bench.py",  # ~130-150 s each
+                 "test_kernels.py", "test_sweep.py", "test_pretrained.py",  # ~75-95 s each
+                 "test_lost_process.py", "test_workflow.py", "test_streaming_sinks.py")  # ~50 s
 
 
 def _variant(item):

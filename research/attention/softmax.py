@@ -142,7 +142,8 @@ class SoftmaxAttention(base.Mixer):
     scores = positions.REGISTRY.lookup(model_config.position).hooks() & cls.position_hooks
     reasons = core.refusals(
         "pallas", mask=cls.mask_spec(settings),
-        score_mod=core.ScoreMod() if scores & {BIAS, CONTEXT} else None)
+        score_mod=core.ScoreMod() if scores & {BIAS, CONTEXT} else None,
+        head_dim=cls.key_dim(model_config), value_dim=cls.value_dim(model_config))
     if reasons:
       raise ValueError(f"attention_backend 'pallas' cannot run model.position="
                        f"{model_config.position!r} with this model: {'; '.join(reasons)}")
