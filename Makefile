@@ -5,8 +5,11 @@ PY := $(VENV)/bin/python
 # Test processes: the suite is dominated by XLA compiles, which one process runs on one core.
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
+# The demo's members at once: its tiny models leave a second core half idle (2026-12-03, 2-core
+# Xeon: two training processes 1.19x the tokens/s of one).
+DEMO_PARALLEL ?= 2
 
-.PHONY: demo test fuzz bench accelerator-check clean
+.PHONY: demo test fuzz bench results accelerator-check clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,7 +18,8 @@ $(STAMP): requirements.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo
+	$(PY) -m experiments.run --config=configs/lm_extrapolation.py:quick --workdir=runs/demo \
+	    --parallel=$(DEMO_PARALLEL)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
@@ -31,6 +35,11 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench --suite=train --workdir=runs/bench
 	$(PY) -m experiments.bench --suite=state --workdir=runs/bench
 	$(PY) -m experiments.bench --suite=recurrent --workdir=runs/bench
+
+# Every result figure and table of README.md and docs/ from the current code, each quick preset
+# in turn (hours on 2 CPU cores); RESULTS=demo,mad makes some (experiments/results.py).
+results: $(STAMP)
+	$(PY) -m experiments.results $(if $(RESULTS),--only=$(RESULTS))
 
 # On a GPU machine, after `pip install -r requirements-gpu.txt` in .venv: under 10 minutes on one
 # H200, appends a dated table to BENCHMARKS.md (experiments/accelerator_check.py).

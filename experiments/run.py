@@ -58,7 +58,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # progress lines, not library INFO logs
   workdir = _WORKDIR.value
-  child_env = dict(os.environ)
+  child_env = sweep.members_environment(os.environ, _PARALLEL.value)
   if _PARALLEL.value > 1:  # this process only plans: keep it from reserving accelerator memory
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   path, preset = _config_path_and_preset()

@@ -136,3 +136,26 @@ def test_macro_accuracy_counts_classes_as_torchmetrics_macro_average(model_confi
   accuracy = np.mean(predictions[scored] == targets[scored])
   assert metrics["accuracy"] == pytest.approx(accuracy)
   assert 0.3 < accuracy and abs(metrics["macro_accuracy"] - accuracy) > 0.05  # tells them apart
+
+
+@pytest.mark.parametrize("mesh_shape,lengths,expected", [
+    ((1, 1, 8), (2,), [2]),  # one short batch: its rows only
+    ((2, 1, 4), (3,), [4]),  # rounded up to what the batch axes split evenly
+    ((8, 1, 1), (8, 8, 2), [8, 8, 8]),  # several batches: one shape, eval.batch_size
+])
+def test_a_short_evaluation_runs_no_idle_rows(mesh_shape, lengths, expected):
+  """Two windows of 2048 tokens run 2 rows, not eval.batch_size: rows pad to a multiple of the
+  mesh's batch axes, and a short last batch after full ones to the full size (one program)."""
+  seen = []
+
+  def eval_step(params, batch):
+    del params
+    seen.append(batch["inputs"].shape[0])
+    rows = batch["inputs"].shape[0]
+    return {"rows": {"tokens": np.ones(rows)}, "nll_by_position": np.zeros(4),
+            "tokens_by_position": np.zeros(4)}
+
+  batches = [{"inputs": np.zeros((n, 4), np.int32)} for n in lengths]
+  sums = evaluate.row_sums(eval_step, None, iter(batches), sharding.make_mesh(mesh_shape), 8)
+  assert seen == expected
+  assert len(sums["rows"]["tokens"]) == sum(lengths)

@@ -310,3 +310,11 @@ def test_lm_extrapolation_baselines_get_readable_distinct_labels(tmp_path):
                     "mha / rope / window=128 / sinks=4", "mha / alibi / documents",
                     "mha / rope / documents"}
 
+
+
+def test_members_run_at_once_share_an_accelerators_memory():
+  assert sweep.members_environment({"A": "1"}, 1) == {"A": "1"}
+  assert sweep.members_environment({}, 2) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"}
+  for chosen in ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".2"},
+                 {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}):
+    assert sweep.members_environment(chosen, 4) == chosen

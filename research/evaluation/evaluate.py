@@ -24,6 +24,8 @@ right /
 rows.
 """
 
+import itertools
+import math
 from typing import Callable, Iterable
 
 import jax
@@ -119,6 +121,13 @@ def _pad_rows(batch, rows):
   return {k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
 
 
+def _fewest_rows(rows, mesh):
+  """`rows` rounded up to a multiple of what the mesh's batch axes and the processes split
+  evenly (a short evaluation, e.g. 2 windows of 2048 tokens, runs 2 rows, not eval.batch_size)."""
+  multiple = math.lcm(mesh.shape["data"] * mesh.shape["fsdp"], jax.process_count())
+  return -(-rows // multiple) * multiple
+
+
 def global_batch(batch, mesh):
   """A global batch (the same numpy arrays on every process) as arrays sharded over the mesh,
   every key (inputs, targets, loss_mask, and segments and positions if present) by its rows."""
@@ -132,12 +141,18 @@ def global_batch(batch, mesh):
 def row_sums(eval_step: Callable, params, batches: Iterable[dict], mesh: jax.sharding.Mesh,
              batch_size: int, max_batches: int | None = None) -> dict:
   """{"rows": {column: one value per row}, "nll_by_position": [L], "tokens_by_position": [L]}:
-  the sums of every row with scored tokens (padding rows dropped), and per-position sums."""
-  parts = []
+  the sums of every row with scored tokens (padding rows dropped), and per-position sums.
+  Batches are padded to batch_size rows, but one short batch alone to _fewest_rows."""
+  parts, batches = [], iter(batches)
+  first = next(batches, None)
+  rows_per_batch = batch_size
+  if first is not None and len(first["inputs"]) < batch_size:  # the only batch: no idle rows
+    rows_per_batch = min(batch_size, _fewest_rows(len(first["inputs"]), mesh))
+  batches = itertools.chain([first] if first is not None else [], batches)
   for i, batch in enumerate(batches):
     if max_batches is not None and i >= max_batches:
       break
-    sums = jax.device_get(eval_step(params, global_batch(_pad_rows(batch, batch_size), mesh)))
+    sums = jax.device_get(eval_step(params, global_batch(_pad_rows(batch, rows_per_batch), mesh)))
     rows = {k: v[:len(batch["inputs"])] for k, v in sums.pop("rows").items()}
     parts.append({"rows": {k: v[rows["tokens"] > 0] for k, v in rows.items()}, **sums})
   if not parts:

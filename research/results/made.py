@@ -1,0 +1,157 @@
+"""The result files of README.md and docs/ and how each is made (experiments/results.py,
+`make results`): RESULTS lists, per entry, the commands that make it (a quick preset through
+experiments.run, then any head analyses) and the files it copies into docs/; `copy` puts them
+there, a Markdown file with a line saying how it was made on top, and `record` keeps
+docs/made.json and docs/made.md, which say for every file the command, commit, date, hardware
+and minutes."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MADE = os.path.join("docs", "made.json")  # the record; docs/made.md is drawn from it
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """A result: `commands` (python -m module args, `{dir}` standing for the entry's directory)
+  and `copies`, {file under the entry's directory: its place under docs/}."""
+  name: str
+  commands: tuple[tuple[str, ...], ...]
+  copies: dict[str, str]
+
+
+def _sweep(config, *extra):
+  return ("experiments.run", f"--config={config}", "--workdir={dir}", "--parallel=2", *extra)
+
+
+def _analyze(analyses, *extra):
+  return ("experiments.analyze", "--workdir={dir}", f"--analysis={analyses}", *extra)
+
+
+_MHA_ROPE, _MHA_ALIBI = "runs/attention=mha,position=rope", "runs/attention=mha,position=alibi"
+
+RESULTS = (
+    Result("demo", (_sweep("configs/lm_extrapolation.py:quick"),),
+           {"summary.md": "demo/summary.md", "extrapolation.png": "demo/extrapolation.png",
+            "rope_scaling.png": "demo/rope_scaling.png",
+            "loss_by_position.png": "demo/loss_by_position.png"}),
+    Result("demo_heads", (_sweep("configs/lm_extrapolation.py:quick"),
+                          _analyze("attention_maps,head_importance"),
+                          _analyze("explanation", "--num_sequences=8", "--num_permutations=16")),
+           {f"{_MHA_ALIBI}/analysis/attention_maps/maps.png": "heads/maps_mha_alibi.png",
+            f"{_MHA_ROPE}/analysis/attention_maps/maps.png": "heads/maps_mha_rope.png",
+            "analysis/attention_maps/distance.png": "heads/distance.png",
+            "analysis/head_importance/pruning.png": "heads/pruning.png",
+            f"{_MHA_ROPE}/analysis/explanation/explanation.png":
+                "heads/explanation_mha_rope.png",
+            "analysis/explanation/explanation.png": "heads/explanation.png"}),
+    Result("positions", (_sweep("configs/positions_extrapolation.py:quick"),),
+           {"summary.md": "positions/summary.md",
+            "extrapolation.png": "positions/extrapolation.png",
+            "loss_by_position.png": "positions/loss_by_position.png"}),
+    Result("attention", (_sweep("configs/attention_extrapolation.py:quick"),),
+           {"summary.md": "attention/summary.md",
+            "extrapolation.png": "attention/extrapolation.png"}),
+    Result("algorithmic", (_sweep("configs/algorithmic.py:quick"),),
+           {"summary.md": "evaluation/algorithmic_summary.md",
+            "tasks.png": "evaluation/algorithmic_tasks.png"}),
+    Result("state_tracking", (_sweep("configs/state_tracking.py:quick"),),
+           {"summary.md": "evaluation/state_tracking_summary.md",
+            "tasks.png": "evaluation/state_tracking.png"}),
+    Result("mqar", (_sweep("configs/mqar.py:quick"),),
+           {"summary.md": "evaluation/mqar_summary.md", "width.png": "evaluation/mqar_width.png",
+            "accuracy_vs_state.png": "evaluation/mqar_state.png"}),
+    Result("mad", (_sweep("configs/mad.py:quick"),),
+           {"mad.md": "evaluation/mad_quick.md", "mad_state.png": "evaluation/mad_state.png"}),
+    Result("needles", (_sweep("configs/long_context.py:quick"),),
+           {"summary.md": "evaluation/needles_summary.md",
+            "needle_heatmap.png": "evaluation/needle_heatmap.png",
+            "lost_in_the_middle.png": "evaluation/lost_in_the_middle.png"}),
+    Result("passkey", (_sweep("configs/passkey_extrapolation.py:quick"),),
+           {"summary.md": "evaluation/passkey_extrapolation_summary.md",
+            "needle_heatmap.png": "evaluation/passkey_extrapolation_heatmap.png"}),
+    Result("induction", (_sweep("configs/induction_heads.py:quick"), _analyze("induction")),
+           {"analysis/induction/induction.png": "heads/induction_task.png"}),
+    Result("uptraining", (_sweep("configs/gqa_uptraining.py:quick"), _analyze("uptraining")),
+           {"analysis/uptraining/summary.md": "heads/uptraining.md",
+            "analysis/uptraining/uptraining.csv": "heads/uptraining.csv",
+            "analysis/uptraining/uptraining.png": "heads/uptraining.png"}),
+    Result("jamba", (_sweep("configs/jamba.py:quick"),),
+           {"summary.md": "evaluation/jamba_summary.md"}),
+)
+BY_NAME = {result.name: result for result in RESULTS}
+
+def selected(only):
+  """The entries named by --only (all without it); an unknown name is refused before any work."""
+  if not only:
+    return list(RESULTS)
+  unknown = [name for name in only if name not in BY_NAME]
+  if unknown:
+    raise ValueError(f"--only: unknown result {', '.join(unknown)}; valid: {', '.join(BY_NAME)}")
+  return [BY_NAME[name] for name in only]
+
+
+def commands(result, workdir):
+  """The entry's command lines, its directory (workdir/name; demo_heads shares the demo's)."""
+  directory = os.path.join(workdir, "demo" if result.name == "demo_heads" else result.name)
+  return [[sys.executable, "-m", *(a.replace("{dir}", directory) for a in command)]
+          for command in result.commands], directory
+
+
+def commit():
+  """The checkout's commit (short), with "+changes" when the tree differs from it."""
+  def git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+  head = git("rev-parse", "--short", "HEAD") or "unknown"
+  return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def provenance_line(entry):
+  return (f"Made by `{entry['command']}` from commit {entry['commit']} on {entry['date']}, "
+          f"{entry['hardware']}, in {entry['minutes']:.1f} min.")
+
+
+def copy(result, directory, docs, entry):
+  """Copy the entry's files into `docs` (a Markdown file with the provenance line on top);
+  returns their docs/ paths. Every source is checked before anything is copied."""
+  missing = [s for s in result.copies if not os.path.isfile(os.path.join(directory, s))]
+  if missing:
+    raise FileNotFoundError(f"{result.name}: its commands did not write {', '.join(missing)} "
+                            f"under {directory}")
+  written = []
+  for source, destination in result.copies.items():
+    target = os.path.join(docs, destination)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if target.endswith(".md"):
+      with open(os.path.join(directory, source)) as f:
+        text = f.read()
+      with open(target, "w") as f:
+        f.write(f"{provenance_line(entry)}\n\n{text}")
+    else:
+      shutil.copyfile(os.path.join(directory, source), target)
+    written.append(os.path.join("docs", destination))
+  return written
+
+
+def record(made_path, files, entry):
+  """Add `entry` for each of `files` to the JSON record and redraw docs/made.md from it."""
+  made = {}
+  if os.path.exists(made_path):
+    with open(made_path) as f:
+      made = json.load(f)
+  made.update({path: entry for path in files})
+  with open(made_path, "w") as f:
+    json.dump(made, f, indent=1, sort_keys=True)
+  lines = ["# How each result file in docs/ was made", "",
+           "Written by `python -m experiments.results` (`make results`); a file not listed here "
+           "was made by hand or predates it.", "",
+           "| file | command | commit | date | hardware | minutes |", "|---|---|---|---|---|---|"]
+  lines += [f"| {path} | `{e['command']}` | {e['commit']} | {e['date']} | {e['hardware']} | "
+            f"{e['minutes']:.1f} |" for path, e in sorted(made.items())]
+  with open(os.path.join(os.path.dirname(made_path), "made.md"), "w") as f:
+    f.write("\n".join(lines) + "\n")

@@ -1,0 +1,93 @@
+"""`make results` (experiments/results.py): every result figure of README.md and docs/ has an entry
+that makes it, each entry's commands name a preset and analyses that exist, and the copy step
+puts the files in docs/ with how they were made."""
+
+import json
+import os
+import re
+
+import pytest
+
+from research.results import made as results
+from research.analysis import analyze
+from research.results import sweep
+
+ROOT = results.ROOT
+
+
+def _pages():
+  docs = os.path.join(ROOT, "docs")
+  return [os.path.join(ROOT, "README.md")] + [
+      os.path.join(docs, name) for name in sorted(os.listdir(docs)) if name.endswith(".md")]
+
+
+def test_every_result_figure_in_the_docs_is_made_by_an_entry():
+  """Each image README.md and docs/*.md show, but the benchmark suites' (make bench), is a
+  destination of RESULTS; each destination is linked from a page."""
+  destinations = {f"docs/{d}" for r in results.RESULTS for d in r.copies.values()}
+  shown, linked = set(), set()
+  for page in _pages():
+    with open(page) as f:
+      text = f.read()
+    base = os.path.relpath(os.path.dirname(page), ROOT)
+    for image in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text):
+      shown.add(os.path.normpath(os.path.join(base, image)))
+    for target in re.findall(r"\]\(([^)#]+)\)", text):
+      linked.add(os.path.normpath(os.path.join(base, "".join(target.split()))))
+  shown = {path for path in shown if not path.startswith("docs/bench/")}
+  assert shown - destinations == set(), "figures no entry makes"
+  assert destinations - linked == set(), "entries whose files no page links"
+
+
+@pytest.mark.parametrize("result", results.RESULTS, ids=lambda r: r.name)
+def test_each_entry_runs_a_preset_and_analyses_that_exist(result, tmp_path):
+  lines, directory = results.commands(result, str(tmp_path))
+  assert directory.startswith(str(tmp_path))
+  for line in lines:
+    module, args = line[2], dict(a.split("=", 1) for a in line[3:])
+    assert args["--workdir"].startswith(directory)
+    if module == "experiments.run":
+      path, preset = args["--config"].split(":")
+      assert sweep.load_module(os.path.join(ROOT, path)).get_sweep(preset)
+    else:
+      assert module == "experiments.analyze"
+      assert set(args["--analysis"].split(",")) <= set(analyze.ANALYSES)
+
+
+def test_unknown_names_are_refused_before_any_work():
+  assert [r.name for r in results.selected(["mad", "demo"])] == ["mad", "demo"]
+  assert len(results.selected(None)) == len(results.RESULTS)
+  with pytest.raises(ValueError, match="unknown result dmeo; valid: demo, demo_heads"):
+    results.selected(["demo", "dmeo"])
+
+
+def test_copies_carry_how_they_were_made_and_a_missing_file_copies_nothing(tmp_path):
+  result = results.Result("toy", (), {"summary.md": "toy/summary.md", "fig.png": "toy/fig.png"})
+  run, docs = tmp_path / "run", tmp_path / "docs"
+  run.mkdir()
+  (run / "summary.md").write_text("| a |\n")
+  entry = {"command": "python -m experiments.results --only=toy", "runs": "python -m x",
+           "commit": "abc1234", "date": "2026-12-03", "hardware": "a CPU, 2 cores",
+           "minutes": 1.25}
+  with pytest.raises(FileNotFoundError, match="did not write fig.png"):
+    results.copy(result, str(run), str(docs), entry)
+  assert not docs.exists()
+  (run / "fig.png").write_bytes(b"\x89PNG")
+  files = results.copy(result, str(run), str(docs), entry)
+  assert files == ["docs/toy/summary.md", "docs/toy/fig.png"]
+  assert (docs / "toy" / "summary.md").read_text() == (
+      "Made by `python -m experiments.results --only=toy` from commit abc1234 on 2026-12-03, "
+      "a CPU, 2 cores, in 1.2 min.\n\n| a |\n")
+  assert (docs / "toy" / "fig.png").read_bytes() == b"\x89PNG"
+  made = docs / "made.json"
+  results.record(str(made), files, entry)
+  results.record(str(made), ["docs/other.png"], dict(entry, commit="def5678"))
+  assert json.loads(made.read_text())["docs/toy/fig.png"]["commit"] == "abc1234"
+  table = (docs / "made.md").read_text().splitlines()
+  assert table[-3:] == [
+      "| docs/other.png | `python -m experiments.results --only=toy` | def5678 | 2026-12-03 | "
+      "a CPU, 2 cores | 1.2 |",
+      "| docs/toy/fig.png | `python -m experiments.results --only=toy` | abc1234 | 2026-12-03 | "
+      "a CPU, 2 cores | 1.2 |",
+      "| docs/toy/summary.md | `python -m experiments.results --only=toy` | abc1234 | "
+      "2026-12-03 | a CPU, 2 cores | 1.2 |"]
