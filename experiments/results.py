@@ -19,6 +19,7 @@ import subprocess
 import time
 
 from absl import flags
+from absl import logging
 
 from experiments import cli
 from research.bench import report
@@ -32,6 +33,7 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands and copies; r
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)
   results = made.selected(_ONLY.value)
   workdir = os.path.abspath(_WORKDIR.value or os.path.join("runs", "results"))
   failed = []
@@ -44,7 +46,7 @@ def main(argv):
         print(f"  {os.path.join(directory, source)} -> docs/{destination}")
       continue
     print(f"{result.name}: {shown}", flush=True)
-    started = time.monotonic()
+    started, code = time.monotonic(), made.commit()
     status = 0
     for line in lines:
       status = subprocess.run(line, cwd=made.ROOT).returncode
@@ -55,7 +57,7 @@ def main(argv):
       failed.append(result.name)
       continue
     entry = {"command": f"python -m experiments.results --only={result.name}",
-             "runs": shown, "commit": made.commit(),
+             "runs": shown, "commit": code,
              "date": datetime.date.today().isoformat(), "hardware": report.hardware(),
              "minutes": (time.monotonic() - started) / 60}
     files = made.copy(result, directory, os.path.join(made.ROOT, "docs"), entry)

@@ -21,6 +21,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from experiments import cli
+from research import flops
 from research.results import report
 from research.results import sweep
 
@@ -61,6 +62,8 @@ def main(argv):
   child_env = sweep.members_environment(os.environ, _PARALLEL.value)
   if _PARALLEL.value > 1:  # this process only plans: keep it from reserving accelerator memory
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # the members' MFU against the peak of the machine they share, measured before they start
+    child_env.setdefault(flops.PEAK_ENV, repr(flops.total_peak_flops()))
   path, preset = _config_path_and_preset()
   get_sweep = sweep.load_module(path).get_sweep
   members = sweep.expand(get_sweep(preset) if preset else get_sweep(), _CONFIG.value,

@@ -9,6 +9,7 @@ head is. MFU = FLOPs per token * tokens per second / peak FLOP/s of the devices 
 """
 
 import functools
+import os
 import time
 
 import jax
@@ -62,10 +63,18 @@ def peak_flops(device=None):
   return None
 
 
+# A sweep that runs members at once measures the peak before they share the machine and passes
+# it to them here (experiments/run.py): their MFU is then against the idle machine's peak.
+PEAK_ENV = "RESEARCH_PEAK_FLOPS"
+
+
 @functools.cache  # once per process: runs in one process (a sweep, the tests) share it
 def total_peak_flops():
-  """Peak FLOP/s of all devices: datasheet x devices, else a measured matmul (x devices on
-  accelerators; on CPU the fake devices share the same cores, so the matmul is the machine)."""
+  """Peak FLOP/s of all devices: $RESEARCH_PEAK_FLOPS if set, else datasheet x devices, else a
+  measured matmul (x devices on accelerators; on CPU the fake devices share the same cores, so
+  the matmul is the machine)."""
+  if os.environ.get(PEAK_ENV):
+    return float(os.environ[PEAK_ENV])
   peak = peak_flops()
   if peak:
     return peak * jax.device_count()

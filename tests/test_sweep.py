@@ -318,3 +318,11 @@ def test_members_run_at_once_share_an_accelerators_memory():
   for chosen in ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".2"},
                  {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}):
     assert sweep.members_environment(chosen, 4) == chosen
+
+
+def test_members_run_at_once_report_mfu_against_the_peak_measured_before_them(monkeypatch):
+  """experiments.run --parallel=N passes the peak it measured to the members: measured by each
+  while the others run, it would be a share of the machine's, and their MFU inflated."""
+  from research import flops  # noqa: PLC0415
+  monkeypatch.setenv(flops.PEAK_ENV, "1.5e11")
+  assert flops.total_peak_flops.__wrapped__() == 1.5e11

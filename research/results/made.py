@@ -103,12 +103,17 @@ def commands(result, workdir):
           for command in result.commands], directory
 
 
+CODE = ("research", "configs", "experiments", "requirements.txt")  # what makes the results
+
+
 def commit():
-  """The checkout's commit (short), with "+changes" when the tree differs from it."""
+  """The checkout's commit (short), with "+changes" when its code (CODE) differs from it; taken
+  before an entry runs (docs/ changes as entries are copied)."""
   def git(*args):
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
   head = git("rev-parse", "--short", "HEAD") or "unknown"
-  return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+  changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
+  return head + ("+changes" if changed else "")
 
 
 def provenance_line(entry):
