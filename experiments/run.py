@@ -41,18 +41,19 @@ def _config_path_and_preset():
 
 
 def _run_in_subprocesses(members, parallel, child_env):
-  """Each member as `--sweep_index=i` in its own process, `parallel` at a time. A child that
-  dies without recording a status is reported as missing by the collect step."""
+  """Each member as `--sweep_index=i` in its own process, `parallel` at a time; a member that
+  starts from another member's parameters (train.init_from) starts once that one has ended. A
+  child that dies without recording a status is reported as missing by the collect step."""
   base_args = [a for a in sys.argv[1:] if not a.startswith(("--parallel", "--sweep_index"))]
   queue, running = list(members), []
   while queue or running:
-    while queue and len(running) < parallel:
-      member = queue.pop(0)
-      running.append(subprocess.Popen(
+    for member in sweep.ready_to_start(queue, [m for m, _ in running], parallel):
+      queue.remove(member)
+      running.append((member, subprocess.Popen(
           [sys.executable, "-m", "experiments.run", *base_args, f"--sweep_index={member.index}"],
-          env=child_env))
+          env=child_env)))
     time.sleep(1)
-    running = [p for p in running if p.poll() is None]
+    running = [(m, p) for m, p in running if p.poll() is None]
 
 
 def main(argv):

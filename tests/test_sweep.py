@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -326,3 +327,21 @@ def test_members_run_at_once_report_mfu_against_the_peak_measured_before_them(mo
   from research import flops  # noqa: PLC0415
   monkeypatch.setenv(flops.PEAK_ENV, "1.5e11")
   assert flops.total_peak_flops.__wrapped__() == 1.5e11
+
+
+def test_members_run_at_once_start_after_the_run_they_start_from():
+  """--parallel: a member with train.init_from=<another member> waits until that one has ended
+  (configs/gqa_uptraining.py's converted runs start from its MHA run)."""
+  def member(name, init_from=""):
+    return types.SimpleNamespace(name=name, config=types.SimpleNamespace(
+        train=types.SimpleNamespace(init_from=init_from)))
+
+  mha, scratch = member("mha"), member("gqa")
+  converted, uptrained = member("gqa_converted", "mha"), member("gqa_uptrained", "mha")
+  queue = [mha, converted, uptrained, scratch]
+  assert sweep.ready_to_start(queue, [], 2) == [mha, scratch]
+  assert sweep.ready_to_start([converted, uptrained], [mha], 2) == []
+  assert sweep.ready_to_start([converted, uptrained], [scratch], 2) == [converted]
+  assert sweep.ready_to_start([converted, uptrained], [], 2) == [converted, uptrained]
+  a, b = member("a", "b"), member("b", "a")  # a cycle: one at a time, in order
+  assert sweep.ready_to_start([a, b], [], 2) == [a]

@@ -14,15 +14,18 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MADE = os.path.join("docs", "made.json")  # the record; docs/made.md is drawn from it
+CODE = ("research", "configs", "experiments", "requirements.txt")  # what makes the results
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-  """A result: `commands` (python -m module args, `{dir}` standing for the entry's directory)
-  and `copies`, {file under the entry's directory: its place under docs/}."""
+  """A result: `commands` (python -m module args, `{dir}` standing for the entry's directory:
+  `directory` under the workdir, its name by default) and `copies`, {file under the entry's
+  directory: its place under docs/}."""
   name: str
   commands: tuple[tuple[str, ...], ...]
   copies: dict[str, str]
+  directory: str = ""
 
 
 def _sweep(config, *extra):
@@ -49,7 +52,8 @@ RESULTS = (
             "analysis/head_importance/pruning.png": "heads/pruning.png",
             f"{_MHA_ROPE}/analysis/explanation/explanation.png":
                 "heads/explanation_mha_rope.png",
-            "analysis/explanation/explanation.png": "heads/explanation.png"}),
+            "analysis/explanation/explanation.png": "heads/explanation.png"},
+           directory="demo"),  # the demo's sweep, analysed
     Result("positions", (_sweep("configs/positions_extrapolation.py:quick"),),
            {"summary.md": "positions/summary.md",
             "extrapolation.png": "positions/extrapolation.png",
@@ -77,7 +81,8 @@ RESULTS = (
             "needle_heatmap.png": "evaluation/passkey_extrapolation_heatmap.png"}),
     Result("induction", (_sweep("configs/induction_heads.py:quick"), _analyze("induction")),
            {"analysis/induction/induction.png": "heads/induction_task.png"}),
-    Result("uptraining", (_sweep("configs/gqa_uptraining.py:quick"), _analyze("uptraining")),
+    Result("uptraining", (_sweep("configs/gqa_uptraining.py:quick"),
+                          _analyze("uptraining,head_importance")),
            {"analysis/uptraining/summary.md": "heads/uptraining.md",
             "analysis/uptraining/uptraining.csv": "heads/uptraining.csv",
             "analysis/uptraining/uptraining.png": "heads/uptraining.png"}),
@@ -85,6 +90,7 @@ RESULTS = (
            {"summary.md": "evaluation/jamba_summary.md"}),
 )
 BY_NAME = {result.name: result for result in RESULTS}
+
 
 def selected(only):
   """The entries named by --only (all without it); an unknown name is refused before any work."""
@@ -97,13 +103,10 @@ def selected(only):
 
 
 def commands(result, workdir):
-  """The entry's command lines, its directory (workdir/name; demo_heads shares the demo's)."""
-  directory = os.path.join(workdir, "demo" if result.name == "demo_heads" else result.name)
+  """The entry's command lines, and its directory under `workdir`."""
+  directory = os.path.join(workdir, result.directory or result.name)
   return [[sys.executable, "-m", *(a.replace("{dir}", directory) for a in command)]
           for command in result.commands], directory
-
-
-CODE = ("research", "configs", "experiments", "requirements.txt")  # what makes the results
 
 
 def commit():

@@ -294,6 +294,17 @@ def members_environment(environ, parallel):
   return env
 
 
+def ready_to_start(queue, running, parallel):
+  """The members of `queue` to start beside those `running`, at most `parallel` in all, in queue
+  order: those whose train.init_from names no member still queued or running (a cycle of
+  init_from runs in queue order, one at a time)."""
+  unfinished = {m.name for m in queue} | {m.name for m in running}
+  ready = [m for m in queue if m.config.train.init_from not in unfinished]
+  if not ready and not running:
+    ready = queue[:1]
+  return ready[:max(parallel - len(running), 0)]
+
+
 def run_member(workdir: str, member: Member,
                progress: Callable[[str], None] = functools.partial(print, flush=True)):
   """Train and evaluate one member; if it is done, evaluate it at the settings it has no results
