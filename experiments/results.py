@@ -9,7 +9,8 @@ analyses) in a directory of its own under --workdir (default runs/results; rerun
 what is not done, as experiments.run does), then copies the files it names into docs/ and
 records in docs/made.md which command made each file, from which commit, when, on what
 hardware and in how long. A Markdown file gets that line at its top too. An entry whose command
-fails copies nothing and the others go on; the command exits with status 1 naming them.
+fails, or whose sweep has a run that is not done, copies nothing and the others go on; the
+command exits with status 1 naming them.
 BENCHMARKS.md's tables come from `make bench`, not from here.
 """
 
@@ -52,8 +53,10 @@ def main(argv):
       status = subprocess.run(line, cwd=made.ROOT).returncode
       if status:
         break
-    if status:
-      print(f"{result.name}: FAILED (exit status {status}); nothing copied", flush=True)
+    unfinished = made.unfinished_runs(directory)
+    if status or unfinished:
+      why = f"exit status {status}" if status else f"runs not done: {', '.join(unfinished)}"
+      print(f"{result.name}: FAILED ({why}); nothing copied", flush=True)
       failed.append(result.name)
       continue
     entry = {"command": f"python -m experiments.results --only={result.name}",

@@ -91,3 +91,13 @@ def test_copies_carry_how_they_were_made_and_a_missing_file_copies_nothing(tmp_p
       "a CPU, 2 cores | 1.2 |",
       "| docs/toy/summary.md | `python -m experiments.results --only=toy` | abc1234 | "
       "2026-12-03 | a CPU, 2 cores | 1.2 |"]
+
+
+def test_a_sweep_with_a_failed_or_lost_run_is_not_copied(tmp_path):
+  for name, status in (("a", {"state": "done"}), ("b", {"state": "skipped", "reason": "x"}),
+                       ("c", {"state": "failed", "error": "ValueError"}), ("d", None)):
+    (tmp_path / "runs" / name).mkdir(parents=True)
+    if status:
+      (tmp_path / "runs" / name / "status.json").write_text(json.dumps(status))
+  assert results.unfinished_runs(str(tmp_path)) == ["c", "d"]
+  assert results.unfinished_runs(str(tmp_path / "no_sweep")) == []

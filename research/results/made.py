@@ -119,6 +119,21 @@ def commit():
   return head + ("+changes" if changed else "")
 
 
+def unfinished_runs(directory):
+  """The runs of the sweep in `directory` that have not ended as done or skipped (failed, or
+  lost without a status): an entry with any copies nothing."""
+  runs = os.path.join(directory, "runs")
+  names = sorted(os.listdir(runs)) if os.path.isdir(runs) else []
+  states = {}
+  for name in names:
+    try:
+      with open(os.path.join(runs, name, "status.json")) as f:
+        states[name] = json.load(f)["state"]
+    except (OSError, ValueError, KeyError):
+      states[name] = "missing"
+  return [name for name, state in states.items() if state not in ("done", "skipped")]
+
+
 def provenance_line(entry):
   return (f"Made by `{entry['command']}` from commit {entry['commit']} on {entry['date']}, "
           f"{entry['hardware']}, in {entry['minutes']:.1f} min.")
