@@ -12,6 +12,8 @@ import shutil
 import subprocess
 import sys
 
+from research.results import sweep
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MADE = os.path.join("docs", "made.json")  # the record; docs/made.md is drawn from it
 CODE = ("research", "configs", "experiments", "requirements.txt")  # what makes the results
@@ -124,14 +126,8 @@ def unfinished_runs(directory):
   lost without a status): an entry with any copies nothing."""
   runs = os.path.join(directory, "runs")
   names = sorted(os.listdir(runs)) if os.path.isdir(runs) else []
-  states = {}
-  for name in names:
-    try:
-      with open(os.path.join(runs, name, "status.json")) as f:
-        states[name] = json.load(f)["state"]
-    except (OSError, ValueError, KeyError):
-      states[name] = "missing"
-  return [name for name, state in states.items() if state not in ("done", "skipped")]
+  return [name for name in names
+          if sweep.status(directory, name)["state"] not in ("done", "skipped")]
 
 
 def provenance_line(entry):
