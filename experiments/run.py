@@ -63,8 +63,6 @@ def main(argv):
   child_env = sweep.members_environment(os.environ, _PARALLEL.value)
   if _PARALLEL.value > 1:  # this process only plans: keep it from reserving accelerator memory
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    # the members' MFU against the peak of the machine they share, measured before they start
-    child_env.setdefault(flops.PEAK_ENV, repr(flops.total_peak_flops()))
   path, preset = _config_path_and_preset()
   get_sweep = sweep.load_module(path).get_sweep
   members = sweep.expand(get_sweep(preset) if preset else get_sweep(), _CONFIG.value,
@@ -84,6 +82,8 @@ def main(argv):
       if states[member.name] == "done":
         sweep.run_member(workdir, member)
     if _PARALLEL.value > 1:
+      # the members' MFU against the peak of the machine they share, measured before they start
+      child_env.setdefault(flops.PEAK_ENV, repr(flops.total_peak_flops()))
       _run_in_subprocesses(pending, _PARALLEL.value, child_env)
     else:
       for member in pending:

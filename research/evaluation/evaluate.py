@@ -24,7 +24,6 @@ right /
 rows.
 """
 
-import itertools
 import math
 from typing import Callable, Iterable
 
@@ -143,15 +142,12 @@ def row_sums(eval_step: Callable, params, batches: Iterable[dict], mesh: jax.sha
   """{"rows": {column: one value per row}, "nll_by_position": [L], "tokens_by_position": [L]}:
   the sums of every row with scored tokens (padding rows dropped), and per-position sums.
   Batches are padded to batch_size rows, but one short batch alone to _fewest_rows."""
-  parts, batches = [], iter(batches)
-  first = next(batches, None)
-  rows_per_batch = batch_size
-  if first is not None and len(first["inputs"]) < batch_size:  # the only batch: no idle rows
-    rows_per_batch = min(batch_size, _fewest_rows(len(first["inputs"]), mesh))
-  batches = itertools.chain([first] if first is not None else [], batches)
+  parts = []
   for i, batch in enumerate(batches):
     if max_batches is not None and i >= max_batches:
       break
+    if i == 0:  # a short first batch is the only one: no idle rows
+      rows_per_batch = min(batch_size, _fewest_rows(len(batch["inputs"]), mesh))
     sums = jax.device_get(eval_step(params, global_batch(_pad_rows(batch, rows_per_batch), mesh)))
     rows = {k: v[:len(batch["inputs"])] for k, v in sums.pop("rows").items()}
     parts.append({"rows": {k: v[rows["tokens"] > 0] for k, v in rows.items()}, **sums})
