@@ -4,6 +4,7 @@
   python -m experiments.run --config=... --workdir=DIR --parallel=4      # 4 runs at once
   python -m experiments.run --config=... --workdir=DIR --sweep_index=$SLURM_ARRAY_TASK_ID
   python -m experiments.run --config=... --workdir=DIR --collect         # after an array job
+  python -m experiments.run --config=... --workdir=DIR --seeds=3         # each member x seeds 0-2
 
 Rerunning the same command does only what is not done (finished runs are kept, and evaluated
 at eval settings they have no results for; interrupted ones resume from their checkpoints;
@@ -31,6 +32,8 @@ _WORKDIR = cli.workdir_flag("Sweep output directory.")
 _SWEEP_INDEX = flags.DEFINE_integer("sweep_index", None, "Run only this member (array jobs).")
 _PARALLEL = flags.DEFINE_integer("parallel", 1, "Members to run at once, as subprocesses.")
 _COLLECT = flags.DEFINE_bool("collect", False, "Only gather results and draw the figures.")
+_SEEDS = flags.DEFINE_integer("seeds", None, "Run every member with train.seed 0..N-1 (replacing "
+                              "the sweep's own seeds).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -65,8 +68,8 @@ def main(argv):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   path, preset = _config_path_and_preset()
   get_sweep = sweep.load_module(path).get_sweep
-  members = sweep.expand(get_sweep(preset) if preset else get_sweep(), _CONFIG.value,
-                         jax.device_count())
+  overrides = sweep.with_seeds(get_sweep(preset) if preset else get_sweep(), _SEEDS.value)
+  members = sweep.expand(overrides, _CONFIG.value, jax.device_count())
   if _SWEEP_INDEX.value is not None and not 0 <= _SWEEP_INDEX.value < len(members):
     raise ValueError(f"--sweep_index={_SWEEP_INDEX.value} is out of range; valid: 0.."
                      f"{len(members) - 1} (the sweep has {len(members)} members)")

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from research import analysis
 from research.analysis import analyze
 from tests import tiny_config
 from tests.conftest import xla_flags
@@ -87,3 +88,18 @@ def test_an_analysis_a_run_cannot_take_or_a_run_without_checkpoints_is_a_clear_e
   with pytest.raises(ValueError, match="unknown analysis heads; valid: attention_maps, induction"):
     analyze.analyze(str(tmp_path), ["heads"], log=lambda line: None)
   assert not os.path.exists(tmp_path / "analysis")
+
+
+def test_induction_across_seeds_gives_each_variant_its_spread_and_phase_change_steps(tmp_path):
+  def rows(run, scores):  # two heads per kept step: the largest is what counts
+    return [{"run": run, "step": step, "layer": 0, "head": h, "measure": "induction",
+             "value": value * (1 - h / 2)} for step, value in scores.items() for h in (0, 1)]
+  scores = (rows("attention=mha,seed=0", {10: 0.05, 100: 0.6, 1000: 0.9})
+            + rows("attention=mha,seed=1", {10: 0.05, 100: 0.2, 1000: 0.7})
+            + rows("attention=mha,position=alibi,seed=0", {10: 0.05, 100: 0.1, 1000: 0.3}))
+  lines = analysis.REGISTRY["induction"].compare(scores, str(tmp_path))
+  table = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines
+           if line.startswith("| attention")}
+  assert table["attention=mha"] == ["2", "0.800 +/- 0.141 [0.700, 0.900]", "100, 1000 |"]
+  assert table["attention=mha,position=alibi"] == ["1", "0.300", "not formed |"]
+  assert os.path.getsize(tmp_path / "induction.png") > 0

@@ -50,6 +50,23 @@ def test_bad_sweeps_fail_before_any_work(overrides, message):
     sweep.expand([], tiny_sweep.get_config(), num_devices=8)
 
 
+def test_seeds_run_every_variant_once_per_seed_and_keep_seed_zero_names():
+  sweep_ = [{"model.attention": "mha", "train.seed": 0, "model.position": "rope"},
+            {"model.attention": "mha", "train.seed": 1, "model.position": "rope"},  # same variant
+            {"model.attention": "linear", "model.position": "none"}]
+  assert sweep.with_seeds(sweep_, None) is sweep_
+  names = [sweep.run_name(o) for o in sweep.with_seeds(sweep_, 2)]
+  assert names == ["attention=mha,seed=0,position=rope", "attention=linear,position=none,seed=0",
+                   "attention=mha,seed=1,position=rope", "attention=linear,position=none,seed=1"]
+  assert {sweep.variant_name(n) for n in names} == {"attention=mha,position=rope",
+                                                    "attention=linear,position=none"}
+  assert sweep.variant_name("seed=2") == "base"
+  with pytest.raises(ValueError, match="--seeds=0: give the number of seeds, >= 1"):
+    sweep.with_seeds(sweep_, 0)
+  with pytest.raises(ValueError, match="start from other members' runs.*attention=gqa"):
+    sweep.with_seeds([{"model.attention": "gqa", "train.init_from": "attention=mha"}], 3)
+
+
 @pytest.fixture(scope="module")
 def finished_sweep(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("sweep"))

@@ -14,6 +14,9 @@ from research.analysis import base
 from research.analysis import heads
 from research.analysis import plots as head_plots
 from research.analysis import trained
+from research.results import sweep
+
+FORMED = 0.5  # a largest induction score at which the head has formed (uniform: about 0.03)
 
 
 def induction(run: trained.Checkpoints, name: str, out: str,
@@ -86,6 +89,36 @@ class Induction(base.Analysis):
 
   @classmethod
   def compare(cls, rows, out):
-    head_plots.save(head_plots.scores_by_run(rows), os.path.join(out, "induction.png"))
-    return ["`induction.png`: per run, the largest induction score of any head and the ICL "
-            "score at every kept checkpoint."]
+    variant_of = sweep.variant_name
+    head_plots.save(head_plots.scores_by_run(rows, variant_of),
+                    os.path.join(out, "induction.png"))
+    lines = ["`induction.png`: per run, the largest induction score of any head and the ICL "
+             "score at every kept checkpoint; the runs of one variant (its seeds) share a colour."]
+    best = head_plots.largest_induction(rows)
+    if not best:
+      return lines
+    by_variant = {}
+    for run in dict.fromkeys(run for run, _ in best):
+      by_variant.setdefault(variant_of(run), []).append(run)
+    table_rows = []
+    for variant, runs in by_variant.items():
+      finals, formed = [], []
+      for run in runs:
+        steps = sorted(step for r, step in best if r == run)
+        finals.append(best[run, steps[-1]])
+        formed.append(next((str(s) for s in steps if best[run, s] >= FORMED), "not formed"))
+      table_rows.append([variant, len(runs), _spread(finals), ", ".join(formed)])
+    return lines + ["", f"Over each variant's runs (seeds): the largest induction score of any "
+                    f"head at the last kept step (mean +/- std over runs [min, max]), and the "
+                    f"first kept step at which it reached {FORMED} (the phase change; a uniform "
+                    "head scores about 0.03), per run.", ""] + base.table(
+                        ["variant", "runs", "largest induction score, last step",
+                         f"first step >= {FORMED}, per run"], table_rows)
+
+
+def _spread(values: list[float]) -> str:
+  """'mean +/- std [min, max]' (the std over runs, ddof 1; '' for one run)."""
+  if len(values) == 1:
+    return f"{values[0]:.3f}"
+  return (f"{np.mean(values):.3f} +/- {np.std(values, ddof=1):.3f} "
+          f"[{min(values):.3f}, {max(values):.3f}]")

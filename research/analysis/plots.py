@@ -8,7 +8,7 @@
                         against the checkpoint step (log axis): Olsson et al.'s phase change
   mean_distance_by_run  a sweep: every head's mean attention distance per run and length
   scores_by_run         a sweep: the largest induction score and the ICL score against step, a
-                        line per run
+                        line per run, a colour per variant (its seeds)
   pruning               the metric against the fraction of heads removed (by importance, in
                         random order), beside the heads' importances
   pruning_by_run        a sweep: the same, a colour per run
@@ -155,24 +155,36 @@ def mean_distance_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
   return fig
 
 
-def scores_by_run(rows: list[dict]) -> matplotlib.figure.Figure:
-  """The panels that have values: tasks have no ICL score, mixers without maps no induction."""
+def largest_induction(rows: list[dict]) -> dict:
+  """{(run, step): the largest induction score of any head} of induction rows."""
   best = {}
   for r in rows:
     if r["measure"] == "induction":
       key = (r["run"], r["step"])
       best[key] = max(best.get(key, -1.0), r["value"])
+  return best
+
+
+def scores_by_run(rows: list[dict], variant_of=lambda run: run) -> matplotlib.figure.Figure:
+  """The panels that have values: tasks have no ICL score, mixers without maps no induction. A
+  colour per variant_of(run) (the runs of one variant's seeds share it), a line per run."""
   best_rows = [{"run": run, "step": step, "measure": "best", "value": v}
-               for (run, step), v in best.items()]
+               for (run, step), v in largest_induction(rows).items()]
   panels = [(measure, source, label) for measure, source, label in (
       ("best", best_rows, "largest induction score of any head"),
       ("icl_score", rows, "ICL score (late - early loss)"))
             if any(r["measure"] == measure for r in source)]
+  variants = list(dict.fromkeys(variant_of(r["run"]) for r in rows))
+  colour = {v: f"C{i % 10}" for i, v in enumerate(variants)}
   fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False,
                            layout="constrained")
   for ax, (measure, source, label) in zip(axes[0], panels):
+    labelled = set()
     for run, (steps, values) in _series(source, measure, lambda r: r["run"]).items():
-      ax.plot(steps, values, marker="o", markersize=3, label=run)
+      variant = variant_of(run)
+      ax.plot(steps, values, marker="o", markersize=3, color=colour[variant], alpha=0.8,
+              label=None if variant in labelled else variant)
+      labelled.add(variant)
     ax.set_xscale("log")
     plots._plain_log_ticks(ax.xaxis)  # noqa: SLF001
     ax.set_xlabel("training step")

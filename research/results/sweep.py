@@ -59,6 +59,34 @@ def run_name(overrides):
   return ",".join(parts).replace("/", "_").replace(" ", "")
 
 
+SEED_KEY = "train.seed"
+
+
+def with_seeds(sweep: list[dict], num_seeds: int | None) -> list[dict]:
+  """The sweep with every member run once per train.seed in 0..num_seeds-1 (replacing the seeds
+  it sets: members that differ only in their seed become one), seed-major so that every variant
+  has a seed early; the sweep as it is for None."""
+  if num_seeds is None:
+    return sweep
+  if num_seeds < 1:
+    raise ValueError(f"--seeds={num_seeds}: give the number of seeds, >= 1 (seeds 0..N-1)")
+  starts_elsewhere = [run_name(o) for o in sweep if o.get("train.init_from")]
+  if starts_elsewhere:
+    raise ValueError(f"--seeds cannot expand a sweep whose members start from other members' "
+                     f"runs (train.init_from: {', '.join(starts_elsewhere)}); their seeds are "
+                     "the sweep's own: set train.seed in its get_sweep")
+  variants = list({run_name({k: v for k, v in o.items() if k != SEED_KEY}): o
+                   for o in sweep}.values())
+  # A member's own seed key keeps its place (so its seed-0 run keeps its name); else it is last.
+  return [{**o, SEED_KEY: seed} for seed in range(num_seeds) for o in variants]
+
+
+def variant_name(name: str) -> str:
+  """A run's name (run_name) without its seed: what the runs of one variant share."""
+  seed = SEED_KEY.split(".")[-1] + "="
+  return ",".join(p for p in name.split(",") if not p.startswith(seed)) or "base"
+
+
 def apply_overrides(config, overrides):
   """A copy of `config` with dotted-key overrides; an unknown key names the valid ones."""
   config = config.copy_and_resolve_references()
