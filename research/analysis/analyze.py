@@ -52,13 +52,13 @@ def analyze(workdir: str, names: list[str], settings: Settings = Settings(),
                               f"(python -m experiments.run with this --workdir)")
   written = []
   for analysis in names:
-    rows, skipped = [], []
+    rows, skipped = [], {}  # skipped: {reason: the runs it excludes}
     for run in runs:
       reason = problem(analysis, config_fields.load_saved(run.directory))
       if reason and not sweep:
         raise ValueError(f"{run.name}: {reason}")
       if reason:
-        skipped.append(f"{run.name}: {reason}")
+        skipped.setdefault(reason, []).append(run.name)
         log(f"{run.name}: {analysis} skipped: {reason}")
         continue
       checkpointed = trained.Checkpoints(run.directory, log)
@@ -70,7 +70,7 @@ def analyze(workdir: str, names: list[str], settings: Settings = Settings(),
     if sweep:
       if not rows:
         raise ValueError(f"{analysis}: no run of {workdir} could be analysed: "
-                         f"{'; '.join(skipped)}")
+                         f"{_skipped_text(skipped)}")
       out = os.path.join(workdir, "analysis", analysis)
       os.makedirs(out, exist_ok=True)
       _compare(analysis, rows, skipped, out)
@@ -78,7 +78,12 @@ def analyze(workdir: str, names: list[str], settings: Settings = Settings(),
   return written
 
 
-def _compare(name: str, rows: list[dict], skipped: list[str], out: str):
+def _skipped_text(skipped: dict[str, list[str]]) -> str:
+  """Each reason once, with the runs it excludes."""
+  return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in skipped.items())
+
+
+def _compare(name: str, rows: list[dict], skipped: dict[str, list[str]], out: str):
   """A sweep's runs side by side: all their rows, one figure, a summary."""
   cls = ANALYSES[name]
   rows = cls.compared_rows(rows)
@@ -88,5 +93,5 @@ def _compare(name: str, rows: list[dict], skipped: list[str], out: str):
            f"figures and summary are in runs/<name>/analysis/{name}/.", ""]
   lines += cls.compare(rows, out)
   if skipped:
-    lines += ["", "Skipped: " + "; ".join(skipped)]
+    lines += ["", "Skipped: " + _skipped_text(skipped)]
   base.write_summary(os.path.join(out, "summary.md"), lines)
