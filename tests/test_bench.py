@@ -6,6 +6,8 @@ with a reason, and that the JSON, markdown and PNG files hold what the reports n
 
 import json
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -204,6 +206,31 @@ def test_interleaved_seconds_takes_turns_after_one_warm_up_each():
   assert {name: len(seconds) for name, seconds in times.items()} == {"a": 3, "b": 3}
 
 
+def test_turns_wait_an_idle_gap_before_each_sample_and_measure_its_cpu_load():
+  """Each timed sample follows a gap of idle_seconds, whose last part's CPU load is recorded:
+  near 0 for a parked process, near 1 core while a thread of it spins."""
+  starts = []
+  times, loads = timing.turns_seconds({"a": lambda: starts.append(time.perf_counter()),
+                                       "b": lambda: starts.append(time.perf_counter())},
+                                      2, idle_seconds=0.05, probe_seconds=0.02)
+  assert len(loads) == 4 and all(len(t) == 2 for t in times.values())
+  assert min(b - a for a, b in zip(starts[1:], starts[2:])) >= 0.05  # a gap before each sample
+  assert timing.idle_load(0.05) < 0.1
+  stop = threading.Event()
+
+  def spin():
+    while not stop.is_set():
+      pass
+
+  spinner = threading.Thread(target=spin)
+  spinner.start()
+  try:
+    assert timing.idle_load(0.2) > 0.2  # a thread of this process spins through the gap
+  finally:
+    stop.set()
+    spinner.join()
+
+
 def test_accelerator_check_fits_its_budget_and_its_model_is_125m():
   """The prepared GPU check: its bench command lines parse, its step limits sum to under 10
   minutes, and configs/model_125m.py:mfu builds a model of about 125M parameters (abstractly)."""
@@ -241,7 +268,8 @@ def _peer_rows():
     return {"part": "time", "case": "train", "title": "training step", "side": side,
             "implementation": implementation, "time_ms": float(np.median(times_ms)),
             "min_ms": min(times_ms), "max_ms": max(times_ms), "times_ms": times_ms,
-            "repeats": len(times_ms)}
+            "repeats": len(times_ms), "idle_seconds": 0.3,
+            "idle_load_max": 0.002 if side == "project" else 0.004}
 
   return [{"part": "settings", "threads": 2, "torch_version": "2.x", "torch_num_threads": 2,
            "pjrt_nproc": "2", "xla_pool_pinned": True, "xla_flags": ""},
@@ -254,8 +282,9 @@ def _peer_rows():
 
 
 def test_peers_tables_ratios_and_figure_from_rows(tmp_path):
-  """Ratio = PyTorch / project of the medians, and of each interleaved round; the targets, the
-  agreement and the skipped implementations are reported; the figure is drawn from rows alone."""
+  """Ratio = PyTorch / project of the medians, of the minima and of each round; the targets, the
+  idle gaps' CPU load, the agreement and the skipped implementations are reported; the figure is
+  drawn from rows alone."""
   rows = _peer_rows()
   [(ours, theirs)] = peers.pairs(rows)
   assert (ours["implementation"], theirs["implementation"]) == ("jit", "eager")
@@ -266,10 +295,13 @@ def test_peers_tables_ratios_and_figure_from_rows(tmp_path):
   assert ("train: PyTorch eager / project jit time = 0.50x (target >= 0.8x): MISSED by 1.60x"
           in lines)
   assert not any(line.startswith("decode:") for line in lines)  # no rows, no target line
+  assert ("turns: one sample of each implementation in turn, each after an idle gap of 0.3 s; "
+          "the process's largest CPU load over a gap's last 0.1 s: 0.004 cores (0: both "
+          "runtimes' threads parked)") in lines
   (title, table), (_, agreement), (_, skipped) = peers.tables(rows)
   assert title.startswith("PyTorch time / project time")
   assert table.splitlines()[2] == ("| training step | jit | eager | 100.00 [90.00–110.00] | "
-                                   "50.00 [45.00–66.00] | 0.50x | 0.50–0.60 | 2.0e-06 |")
+                                   "50.00 [45.00–66.00] | 0.50x | 0.50x | 0.50–0.60 | 2.0e-06 |")
   assert "| train |  | batch 2 x 16 | 3 | 2.00e-06 | 1.00e-06 | logits |" in agreement
   assert "| train | pytorch | compile | no C++ compiler |" in skipped
   meta = {"date": "d", "hardware": "cpu", "backend": "cpu", "jax_version": "0", "command": "c"}

@@ -39,9 +39,12 @@ installed jaxlib has no other thread count: XLA_FLAGS' --xla_cpu_multi_thread_ei
 Eigen's threading on or off (left on, its default), and intra_op_parallelism_threads is a field
 of XLA's compile options, not a flag.
 
-Timing: timing.interleaved_seconds calls every implementation of a case once per round, after a
-warm-up call each; medians, min and max of each, and the ratio PyTorch / project of each round
-(> 1: the project is faster). PyTorch is an optional extra: pip install -r requirements-peers.txt.
+Timing (timing.turns_seconds): after a warm-up call of each implementation of a case, rounds
+that take one sample of each in turn, each sample after an idle gap (Settings.idle_seconds) in
+which both runtimes' worker threads stop spinning, so that neither slows the other: the rows
+record the process's CPU load (all threads) over each gap's last 0.1 s, 0 when every thread is
+parked. Reported: median, min and max of each, the ratio PyTorch / project of the medians, of
+the minima and of each round (> 1: the project is faster). PyTorch is an optional extra: pip install -r requirements-peers.txt.
 """
 
 import copy
@@ -85,16 +88,19 @@ class Settings:
   kernel_length: int = 4096  # attention, linear, mamba
   decode_context: int = 4096
   matmul_size: int = 2048
-  repeats: int = 5  # interleaved rounds
-  large_repeats: int = 3
+  repeats: int = 7  # rounds: one sample of each implementation in turn
+  large_repeats: int = 5
   decode_repeats: int = 50
   torch_compile: bool = True
+  # before every sample: long enough for both runtimes' worker threads to stop spinning (the
+  # rows record the process's CPU load over each gap's last 0.1 s, timing.turns_seconds)
+  idle_seconds: float = 0.3
 
 
 FULL = Settings()
 QUICK = Settings(train_batch=2, train_length=32, large_batch=1, large_length=64,
                  kernel_length=256, decode_context=256, matmul_size=256, repeats=1,
-                 large_repeats=1, decode_repeats=2, torch_compile=False)
+                 large_repeats=1, decode_repeats=2, torch_compile=False, idle_seconds=0.02)
 CHECK = {"train_batch": 2, "train_length": 16, "kernel_length": 256, "scan_length": 128,
          "decode_context": 16, "decode_steps": 8, "matmul_size": 256}
 
@@ -453,22 +459,24 @@ def matmul_calls(size, torch):
   return {("project", "jit"): lambda: matmul(*device), ("pytorch", "mm"): lambda: t_a @ t_b}
 
 
-def time_rows(case, title, calls, repeats, skipped=None):
+def time_rows(case, title, calls, repeats, skipped=None, idle_seconds=0.0):
   """One row per (side, implementation) of `calls`: median, min, max and every round's time, in
-  ms; one per entry of `skipped` {(side, implementation): reason}."""
+  ms, and the process's CPU load during the idle gaps before them; one per entry of `skipped`
+  {(side, implementation): reason}."""
   skipped = dict(skipped or {})
   try:
-    times = timing.interleaved_seconds(calls, repeats)
+    times, loads = timing.turns_seconds(calls, repeats, idle_seconds)
   except Exception as error:  # pylint: disable=broad-except  # one case must not stop the rest
     reason = report.error_reason(error, 200)
-    times = {}
+    times, loads = {}, []
     skipped.update({key: reason for key in calls})
   rows = []
   for (side, implementation), seconds in times.items():
     ms = [round(1e3 * s, 4) for s in seconds]
     rows.append({"part": "time", "case": case, "title": title, "side": side,
                  "implementation": implementation, "time_ms": statistics.median(ms),
-                 "min_ms": min(ms), "max_ms": max(ms), "times_ms": ms, "repeats": len(ms)})
+                 "min_ms": min(ms), "max_ms": max(ms), "times_ms": ms, "repeats": len(ms),
+                 "idle_seconds": idle_seconds, "idle_load_max": max(loads, default=None)})
   rows += [{"part": "time", "case": case, "title": title, "side": side,
             "implementation": implementation, "skipped": reason}
            for (side, implementation), reason in skipped.items()]
@@ -534,7 +542,7 @@ def run(args):
     else:
       names, torch_name, torch_kernel, _ = kernel_cases[case]
       calls = kernel_calls(names, torch_name, torch_kernel, settings.kernel_length)
-    rows += time_rows(case, titles[case], calls, repeats, skipped)
+    rows += time_rows(case, titles[case], calls, repeats, skipped, settings.idle_seconds)
   return rows
 
 
@@ -578,6 +586,12 @@ def summary(rows):
     value = report.ratio(get("pytorch", torch_impl), get("project", project_impl))
     lines.append(f"{case}: PyTorch {torch_impl} / project {project_impl} time = {f(value)} "
                  f"(target >= {target}x): {report.verdict(value, target, at_most=False)}")
+  timed = [r for r in rows if r.get("idle_load_max") is not None]
+  if timed:
+    lines.append(f"turns: one sample of each implementation in turn, each after an idle gap of "
+                 f"{timed[0]['idle_seconds']:g} s; the process's largest CPU load over a gap's "
+                 f"last 0.1 s: {max(r['idle_load_max'] for r in timed):.3f} cores (0: both "
+                 f"runtimes' threads parked)")
   agreement = [r for r in rows if r["part"] == "agreement"]
   if agreement:
     worst = max(agreement, key=lambda r: r["max_relative_error"])
@@ -597,11 +611,13 @@ def tables(rows):
     error = _agreement(rows, ours["case"], ours["implementation"])
     body.append([ours["title"], ours["implementation"], theirs["implementation"], _ms(ours),
                  _ms(theirs), report.fmt_ratio(theirs["time_ms"] / ours["time_ms"]),
+                 report.fmt_ratio(theirs["min_ms"] / ours["min_ms"]),
                  f"{min(per_round):.2f}–{max(per_round):.2f}",
                  "—" if error is None else f"{error:.1e}"])
   result = [("PyTorch time / project time (> 1: the project is faster)", report.markdown_table(
       ["case", "project", "PyTorch", "project ms, median [min–max]",
-       "PyTorch ms, median [min–max]", "ratio", "ratio per round", "max abs error"], body))]
+       "PyTorch ms, median [min–max]", "ratio of medians", "ratio of minima", "ratio per round",
+       "max abs error"], body))]
   agreement = [[r["case"], r.get("implementation", ""), r["size"], r["tensors"],
                 f"{r['max_abs_error']:.2e}", f"{r['max_relative_error']:.2e}", r["worst"]]
                for r in rows if r["part"] == "agreement"]
@@ -655,8 +671,10 @@ SUITE = report.Suite(
         "(against a nanoGPT-style model with SDPA and AdamW, eager and torch.compile), causal "
         "attention fwd+bwd (xla and blockwise against SDPA), one KV-cache decode step, chunked "
         "linear attention fwd+bwd (against fla's naive chunk form), the Mamba selective scan "
-        "fwd+bwd (against mamba_ssm's selective_scan_ref) and a matmul. Interleaved rounds after "
-        "a warm-up call each; ratio = PyTorch time / project time (> 1: the project is faster). "
+        "fwd+bwd (against mamba_ssm's selective_scan_ref) and a matmul. After a warm-up call "
+        "each, rounds of one sample of each in turn, each after an idle gap in which both "
+        "runtimes' threads park (the summary gives the CPU load measured in the gaps); ratio = "
+        "PyTorch time / project time (> 1: the project is faster). "
         "Outputs and gradients were compared at a small size before any timing "
         "(research/bench/peers.py)."),
     run=run, tables=tables, summary=summary, panels=(), takes_lengths=False,

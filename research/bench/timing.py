@@ -82,10 +82,29 @@ def interleaved_seconds(calls, repeats):
   """{name: seconds of each timed call} of zero-argument `calls` {name: fn}: one warm-up call of
   each, then `repeats` rounds that call each once in turn, so that a shared machine's drift
   falls on all of them alike (take the median of each list)."""
+  return turns_seconds(calls, repeats)[0]
+
+
+def idle_load(seconds):
+  """CPU seconds this process (all its threads) used per wall second while it slept `seconds`:
+  0 when every thread of every runtime in it is parked, 1 for one core kept busy (spinning)."""
+  cpu, wall = time.process_time(), time.perf_counter()
+  time.sleep(seconds)
+  return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+
+def turns_seconds(calls, repeats, idle_seconds=0.0, probe_seconds=0.1):
+  """interleaved_seconds with an idle gap of `idle_seconds` before every timed call, so that one
+  runtime's worker threads (XLA's, PyTorch's OpenMP pool) stop spinning before another runtime
+  runs: returns ({name: seconds of each call}, [idle_load of the gap's last `probe_seconds`,
+  one per gap]); no gap and no loads when idle_seconds is 0."""
   for fn in calls.values():
     time_call(fn)
-  times = {name: [] for name in calls}
+  times, loads = {name: [] for name in calls}, []
   for _ in range(repeats):
     for name, fn in calls.items():
+      if idle_seconds > 0:
+        time.sleep(max(idle_seconds - probe_seconds, 0.0))
+        loads.append(idle_load(min(probe_seconds, idle_seconds)))
       times[name].append(time_call(fn)[0])
-  return times
+  return times, loads
