@@ -44,7 +44,8 @@ that take one sample of each in turn, each sample after an idle gap (Settings.id
 which both runtimes' worker threads stop spinning, so that neither slows the other: the rows
 record the process's CPU load (all threads) over each gap's last 0.1 s, 0 when every thread is
 parked. Reported: median, min and max of each, the ratio PyTorch / project of the medians, of
-the minima and of each round (> 1: the project is faster). PyTorch is an optional extra: pip install -r requirements-peers.txt.
+the minima and of each round (> 1: the project is faster). PyTorch is an optional extra:
+pip install -r requirements-peers.txt.
 """
 
 import copy
