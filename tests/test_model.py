@@ -137,11 +137,17 @@ def test_bad_model_config_fails_at_build_time(overrides, message):
     research.build_model(tiny_model_config(**overrides), rngs=nnx.Rngs(0))
 
 
-def test_auto_backend_picks_by_length_and_device():
-  from research.attention.core import AUTO_BLOCKWISE_FROM, auto_backend
+def test_auto_backend_picks_by_length_scores_and_device():
+  from research.attention.core import AUTO_BLOCKWISE_FROM, AUTO_BLOCKWISE_SCORES_BYTES
+  from research.attention.core import auto_backend
   mha, fox = attention.MHA.backends, attention.ForgettingAttention.backends
   assert auto_backend(AUTO_BLOCKWISE_FROM - 1, mha, jnp.float32, "cpu") == "xla"
   assert auto_backend(AUTO_BLOCKWISE_FROM, mha, jnp.float32, "cpu") == "blockwise"
+  # Shorter, but the batch's float32 scores outgrow the cache: 64 x 512^2 x 4 bytes = 64 MiB.
+  assert AUTO_BLOCKWISE_SCORES_BYTES <= 64 * 512 * 512 * 4
+  assert auto_backend(512, mha, jnp.float32, "cpu", batch_heads=64) == "blockwise"
+  assert auto_backend(512, mha, jnp.float32, "cpu", batch_heads=1) == "xla"
+  assert auto_backend(512, mha, jnp.float32, "gpu", batch_heads=64) == "xla"
   assert auto_backend(64, mha, jnp.bfloat16, "gpu") == "cudnn"
   assert auto_backend(64, mha, jnp.float32, "gpu") == "xla"  # cuDNN needs half precision
   assert auto_backend(AUTO_BLOCKWISE_FROM, fox, jnp.bfloat16, "gpu") == "xla"  # no cudnn

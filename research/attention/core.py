@@ -44,8 +44,10 @@ Backends (what each can express, and which `auto` picks):
              (Triton on a GPU, interpret mode on a CPU): causal, packed documents, V == H; refuses
              a score modification, a window, sinks and block-sparse patterns by name
   auto       cudnn where it can run the call (a GPU, bfloat16 / float16, nothing it refuses);
-             on a CPU xla below AUTO_BLOCKWISE_FROM (1024) tokens and blockwise from there on
-             (the crossover of the two measured fwd+bwd on a 2-core CPU); xla otherwise.
+             on a CPU blockwise from AUTO_BLOCKWISE_FROM (1024) tokens on, or where the
+             batch's float32 scores would exceed AUTO_BLOCKWISE_SCORES_BYTES (16 MiB: they no
+             longer stay in the cache), xla below (the crossovers of the two measured fwd+bwd
+             on a 2-core CPU); xla otherwise.
              It never picks pallas: no GPU has run it in this project yet (`make
              accelerator-check` times it where one is lent).
 `probabilities` returns the materialised attention weights of the same computation (the
@@ -83,6 +85,15 @@ NORMALISERS = ("softmax", stick_breaking_kernel.NAME)
 # machine's noise, and xla is one fused op without the loop overheads; from 1024 blockwise is
 # ahead (1.5x) and the gap grows with the length, as does xla's O(length^2) memory.
 AUTO_BLOCKWISE_FROM = 1024
+# `auto`: blockwise also where the [batch, heads, length, length] float32 scores reach this size.
+# xla's fwd+bwd grows faster than the batch once they outgrow the cache: measured on a 2-core
+# Xeon (2026-12-04, head_dim 64, block 128, fp32), xla / blockwise in ms at 512 tokens, 8 heads:
+# batch 1 (8 MiB) 18.4 / 20.7, batch 2 (16 MiB) 55.2 / 31.2, batch 8 (64 MiB) 242 / 138; at 256
+# tokens: batch 2 (4 MiB) 13.5 / 15.2, batch 8 (16 MiB) 51.3 / 49.7, batch 16 with head_dim 16
+# (32 MiB) 78.1 / 57.0; at 128 tokens, 4 heads, head_dim 32: batch 16 (4 MiB) 11.6 / 12.3,
+# batch 64 (16 MiB) 40.7 / 39.4. The training step of 4 layers, d_model 512, 8 x 512 tokens
+# runs in 1.71 s with blockwise against 2.28 s with xla.
+AUTO_BLOCKWISE_SCORES_BYTES = 16 * 2**20
 LARGE_NEGATIVE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
 
 
@@ -178,12 +189,14 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
 
 
 def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=None, *,
-                 score_mod=None, head_dim=None, value_dim=None, sink_queries=False):
-  """The backend that `auto` runs for a sequence of `length` tokens: cudnn where it may run
-  (among `backends`, and nothing in the call it refuses); on a CPU xla for short sequences and
-  blockwise from AUTO_BLOCKWISE_FROM tokens on, where skipping masked tiles and never writing
-  the [length, length] scores outweighs the loop's overheads; xla on other devices (set
-  blockwise there explicitly for O(length) memory)."""
+                 score_mod=None, head_dim=None, value_dim=None, sink_queries=False,
+                 batch_heads=1):
+  """The backend that `auto` runs for `batch_heads` (sequence, head) pairs of `length` tokens:
+  cudnn where it may run (among `backends`, and nothing in the call it refuses); on a CPU xla
+  for short sequences and small batches, blockwise from AUTO_BLOCKWISE_FROM tokens on or where
+  the float32 scores, batch_heads * length^2 * 4 bytes, reach AUTO_BLOCKWISE_SCORES_BYTES: there
+  skipping masked tiles and never writing the scores outweighs the loop's overheads; xla on
+  other devices (set blockwise there explicitly for O(length) memory)."""
   platform = platform or jax.default_backend()
   if score_mod is not None and score_mod.rowwise:
     return "xla"  # the only backend with whole rows
@@ -193,7 +206,9 @@ def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=
     return "cudnn"
   if platform != "cpu":
     return "xla"
-  return "blockwise" if length >= AUTO_BLOCKWISE_FROM else "xla"
+  scores_bytes = batch_heads * length * length * 4
+  long = length >= AUTO_BLOCKWISE_FROM or scores_bytes >= AUTO_BLOCKWISE_SCORES_BYTES
+  return "blockwise" if long else "xla"
 
 
 def _visible(mask, length, segments_BxT):
@@ -319,7 +334,7 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
                                   block_size=block_size, backends=backends)
   if backend == "auto":
     backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
-                           value_dim=width, sink_queries=with_sinks)
+                           value_dim=width, sink_queries=with_sinks, batch_heads=b * n)
   if backend == "pallas" and _without_scores(score_mod, score_params, inputs):
     score_mod = None
   reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width,
@@ -361,8 +376,9 @@ def _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, *, scale, sco
   """`attend` with the stick-breaking normaliser: blockwise (its kernel), or xla (materialised);
   `auto` picks between the two as for softmax."""
   if backend == "auto":
-    backend = auto_backend(q_BxTxNxH.shape[1], tuple(b for b in backends if b != "cudnn"),
-                           q_BxTxNxH.dtype)
+    batch, length, heads, _ = q_BxTxNxH.shape
+    backend = auto_backend(length, tuple(b for b in backends if b != "cudnn"), q_BxTxNxH.dtype,
+                           batch_heads=batch * heads)
   if backend not in ("xla", "blockwise"):
     raise ValueError(f"attention backend {backend!r} cannot run stick-breaking attention; valid: "
                      "'auto', 'xla' (materialised) or 'blockwise' (cuDNN and Pallas have no such "
