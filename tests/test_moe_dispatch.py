@@ -1,5 +1,5 @@
-"""The mixture of experts' sorted dispatch (jax.lax.ragged_dot over the (token, expert) pairs
-sorted by expert) against the dense dispatch, the reference: the same outputs, gradients (w.r.t.
+"""The mixture of experts' sorted dispatches (the (token, expert) pairs sorted by expert, through
+jax.lax.ragged_dot or the grouped matmul by blocks) against the dense dispatch, the reference: the same outputs, gradients (w.r.t.
 the input and every parameter) and auxiliary losses, in float32. (tests/test_feed_forward.py
 checks the layer against a per-token loop; the conformance suite runs the sorted dispatch, the
 MoE's test_settings, in a model, sharded too.)"""
@@ -18,10 +18,13 @@ EXPERTS, D_MODEL = 4, 32  # tiny_model_config: 4 experts, d_model 32, mlp_ratio 
 STARVED = (1, 3)  # experts that the rigged router of the `starved` case never picks
 
 
-def _layers(**settings):
+SORTED = ("sorted", "blocked")
+
+
+def _layers(sorted_dispatch="sorted", **settings):
   """(graphdef of the dense layer, graphdef of the sorted one, their shared parameters)."""
   graphdefs = []
-  for dispatch in ("dense", "sorted"):
+  for dispatch in ("dense", sorted_dispatch):
     config = tiny_model_config(feed_forward="moe", moe=dict(settings, dispatch=dispatch))
     layer = moe.MixtureOfExperts(config, feed_forward.REGISTRY.settings("moe", config),
                                  rngs=nnx.Rngs(0))
@@ -49,9 +52,11 @@ CASES = [pytest.param(1, False, False, id="top1"), pytest.param(1, True, False, 
          pytest.param(2, False, True, id="top2-empty-experts")]
 
 
+@pytest.mark.parametrize("dispatch", SORTED)
 @pytest.mark.parametrize("top_k,renormalize,starved", CASES)
-def test_sorted_dispatch_equals_dense_outputs_and_gradients(top_k, renormalize, starved):
-  dense, sorted_, params = _layers(top_k=top_k, renormalize=renormalize)
+def test_sorted_dispatch_equals_dense_outputs_and_gradients(top_k, renormalize, starved,
+                                                            dispatch):
+  dense, sorted_, params = _layers(dispatch, top_k=top_k, renormalize=renormalize)
   if starved:
     params = _starve(params)
   x = _inputs(starved)
@@ -105,10 +110,11 @@ def test_sorted_dispatch_sows_the_dense_auxiliary_losses(pooled):
     np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
 
 
-def test_sorted_dispatch_keeps_the_compute_dtype():
+@pytest.mark.parametrize("sorted_dispatch", SORTED)
+def test_sorted_dispatch_keeps_the_compute_dtype(sorted_dispatch):
   """bfloat16 compute: the same dtype as dense, and close at bfloat16's precision."""
   layers = []
-  for dispatch in ("dense", "sorted"):
+  for dispatch in ("dense", sorted_dispatch):
     config = tiny_model_config(feed_forward="moe", compute_dtype="bfloat16",
                                moe=dict(dispatch=dispatch))
     layers.append(moe.MixtureOfExperts(config, feed_forward.REGISTRY.settings("moe", config),

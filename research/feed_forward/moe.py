@@ -35,13 +35,13 @@ Every input token counts, padding and tokens without loss weight included: each 
 experts like any other (MQAR scores only its answers), and language-model training windows have
 no padding.
 
-Dispatch (model.moe.dispatch): how the experts run. Both compute the same function, exactly: no
+Dispatch (model.moe.dispatch): how the experts run. All compute the same function, exactly: no
 token is dropped (no capacity), the outputs and gradients are those of running each token's
 top_k experts alone, up to the order of floating-point sums.
   "dense"   (the default) every expert runs on every token and the combine weights are 0 outside
             R_t: y = down(gelu(up(x)) * w), activations [B, L, X, F], X / top_k times the FLOPs
             of the routed experts. Simple, and the reference: tests/test_moe_dispatch.py checks
-            the sorted dispatch's outputs, gradients (input and every parameter) and auxiliary
+            the sorted dispatches' outputs, gradients (input and every parameter) and auxiliary
             losses against it in float32.
   "sorted"  each (token, chosen expert) pair runs once, as MaxText's sparse matmul (megablox).
             Over the T = B L tokens, pair m = t top_k + r is token t's r-th choice e_m = R_t[r],
@@ -56,17 +56,20 @@ top_k experts alone, up to the order of floating-point sums.
             compute dtype as nnx.Einsum does), and the routing and losses are shared.
             Cost: top_k / X of the dense expert-matmul FLOPs, plus a sort of M = T top_k
             integers and gathers of M rows; activations [M, F] instead of [T, X, F].
-That saving needs a backend that runs ragged_dot as a grouped matmul: TPU (chlo.ragged_dot). JAX's
-CPU lowering of ragged_dot (jax 0.10) expands it into a masked dense matmul over all X groups,
-X M D F multiply-adds, top_k times the dense dispatch's, and XLA's GPU compiler does the same
-(its RaggedDotRewriter) unless an experimental grouped-matmul backend takes the op (cuDNN's
-ragged-dot fusion, which leaves the weight gradient dense). Measured on 2 CPU cores (BENCHMARKS.md,
-research/bench/moe_dispatch.py: d_model 512, 16 experts, top-2, 4096 tokens), sorted runs at
-0.75x the speed of dense, at 2x its compiled FLOPs, where a grouped matmul would need 2 / 16 of
-the dense expert FLOPs. So "dense" stays the default, until the benchmark on the target
-accelerator says otherwise. Because both dispatches compute the same function, a
-saved run (it predates the field, and loads with the default "dense", as it was trained) would
-be as correct with "sorted": no predated_settings is needed.
+            That saving needs a backend that runs ragged_dot as a grouped matmul: TPU
+            (chlo.ragged_dot). JAX's CPU lowering of ragged_dot (jax 0.10) expands it into a
+            masked dense matmul over all X groups, X M D F multiply-adds, top_k times the dense
+            dispatch's, and XLA's GPU compiler does the same (its RaggedDotRewriter) unless an
+            experimental grouped-matmul backend takes the op.
+  "blocked" the sorted pairs through research/feed_forward/grouped_matmul.py instead of
+            ragged_dot: each expert's rows padded to a multiple of 128 and multiplied block by
+            block (MegaBlocks' block-sparse form, arXiv:2211.15841), at the routed FLOPs plus at
+            most X - 1 padded blocks on every backend.
+Measured on 2 CPU cores (BENCHMARKS.md, research/bench/moe_dispatch.py: d_model 512, 16 experts,
+top-2, 4096 tokens) the blocked dispatch is the fast one on a CPU and sorted the slowest; "dense"
+stays the default, the reference of the tests. Because the dispatches compute the same function,
+a saved run (it predates the field, and loads with the default "dense", as it was trained) would
+be as correct with another: no predated_settings is needed.
 
 research.flops counts the routed experts only (model FLOPs), so MFU states what a sparse layer
 would need, whichever the dispatch. At scale one also dispatches into fixed-capacity expert
@@ -92,11 +95,12 @@ from flax import nnx
 
 from research import nn
 from research.feed_forward import base
+from research.feed_forward import grouped_matmul
 
 # Each expert's kernels start as the MLP's do: fan-in of one expert, not of the stack.
 EXPERT_INIT = nnx.initializers.lecun_normal(batch_axis=(0,))
 # model.moe.dispatch: how the experts run (the module docstring); both compute the same function.
-DISPATCHES = ("dense", "sorted")
+DISPATCHES = ("dense", "sorted", "blocked")
 
 
 def routing_statistics(probs_TxX, chosen_TxX):
@@ -187,7 +191,7 @@ class MixtureOfExperts(base.FeedForward):
 
   def __call__(self, x_BxLxD, segments_BxL=None):
     del segments_BxL  # token by token
-    if self.dispatch == "sorted":
+    if self.dispatch in ("sorted", "blocked"):
       logits_BxLxX, probs_BxLxX, top_probs_BxLxR, top_experts_BxLxR = self.select(x_BxLxD)
       y_BxLxD = self._sorted_experts(x_BxLxD, top_probs_BxLxR, top_experts_BxLxR)
       chosen_BxLxX = jax.nn.one_hot(top_experts_BxLxR, probs_BxLxX.shape[-1]).sum(-2)
@@ -205,7 +209,9 @@ class MixtureOfExperts(base.FeedForward):
 
   def _sorted_experts(self, x_BxLxD, top_probs_BxLxR, top_experts_BxLxR):
     """sum_{e in R_t} w_te MLP_e(x_t), each (token, chosen expert) pair run once: the M = T top_k
-    pairs sorted by expert, two grouped matmuls (jax.lax.ragged_dot), then un-sorted."""
+    pairs sorted by expert, two grouped matmuls (jax.lax.ragged_dot, or by blocks), un-sorted."""
+    group_matmul = (jax.lax.ragged_dot if self.dispatch == "sorted"
+                    else grouped_matmul.grouped_matmul)
     *leading, d = x_BxLxD.shape
     top_k, dtype = self.top_k, self.up.dtype
     # The kernels as nnx.Einsum evaluates them (promoted to the compute dtype; no biases).
@@ -221,12 +227,11 @@ class MixtureOfExperts(base.FeedForward):
         jnp.arange(order_M.shape[0], dtype=order_M.dtype), unique_indices=True)
     group_sizes_X = jnp.bincount(experts_M, length=experts).astype(jnp.int32)
     x_MxD = jnp.take(x_TxD, order_M // top_k, axis=0)
-    hidden_MxF = jax.nn.gelu(jax.lax.ragged_dot(x_MxD, up_XxDxF, group_sizes_X,
-                                                precision=self.up.precision))
+    hidden_MxF = jax.nn.gelu(group_matmul(x_MxD, up_XxDxF, group_sizes_X,
+                                          precision=self.up.precision))
     weights_M = jnp.take(top_probs_BxLxR.reshape(-1), order_M).astype(hidden_MxF.dtype)
-    y_MxD = jax.lax.ragged_dot(hidden_MxF * weights_M[:, None], down_XxFxD, group_sizes_X,
-                               precision=self.down.precision,
-                               preferred_element_type=jnp.float32)
+    y_MxD = group_matmul(hidden_MxF * weights_M[:, None], down_XxFxD, group_sizes_X,
+                         precision=self.down.precision, preferred_element_type=jnp.float32)
     # Un-sort (a gather by the inverse permutation) and add each token's top_k rows, in float32
     # as the dense path's down projection accumulates its sum over experts.
     y_TxRxD = jnp.take(y_MxD, inverse_M, axis=0).reshape(-1, top_k, d)
