@@ -66,8 +66,9 @@ top_k experts alone, up to the order of floating-point sums.
             block (MegaBlocks' block-sparse form, arXiv:2211.15841), at the routed FLOPs plus at
             most X - 1 padded blocks on every backend.
 Measured on 2 CPU cores (BENCHMARKS.md, research/bench/moe_dispatch.py: d_model 512, 16 experts,
-top-2, 4096 tokens) the blocked dispatch is the fast one on a CPU and sorted the slowest; "dense"
-stays the default, the reference of the tests. Because the dispatches compute the same function,
+top-2, 4096 tokens, fwd+bwd; 2026-12-04, Intel Xeon): one layer 6519 ms dense, 7968 ms sorted,
+774 ms blocked (8.4x faster than dense); a 2-layer model's training loss 18621, 16448 and 3843 ms
+(4.85x). "dense" stays the default, the reference of the tests. Because the dispatches compute the same function,
 a saved run (it predates the field, and loads with the default "dense", as it was trained) would
 be as correct with another: no predated_settings is needed.
 
