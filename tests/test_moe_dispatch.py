@@ -1,8 +1,8 @@
 """The mixture of experts' sorted dispatches (the (token, expert) pairs sorted by expert, through
-jax.lax.ragged_dot or the grouped matmul by blocks) against the dense dispatch, the reference: the same outputs, gradients (w.r.t.
-the input and every parameter) and auxiliary losses, in float32. (tests/test_feed_forward.py
-checks the layer against a per-token loop; the conformance suite runs the sorted dispatch, the
-MoE's test_settings, in a model, sharded too.)"""
+jax.lax.ragged_dot or the grouped matmul by blocks) against the dense dispatch, the reference:
+the same outputs, gradients (w.r.t. the input and every parameter) and auxiliary losses, in
+float32. (tests/test_feed_forward.py checks the layer against a per-token loop; the conformance
+suite runs the sorted dispatch, the MoE's test_settings, in a model, sharded too.)"""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from research import feed_forward
+from research import sharding
 from research.feed_forward import base, moe
 from tests.conftest import tiny_model_config
 
@@ -130,3 +131,25 @@ def test_unknown_dispatch_is_refused_naming_the_valid_ones():
   config = tiny_model_config(feed_forward="moe", moe=dict(dispatch="megablox"))
   with pytest.raises(ValueError, match="model.moe.dispatch='megablox'.*'dense', 'sorted'"):
     moe.MixtureOfExperts.validate(feed_forward.REGISTRY.settings("moe", config), config)
+
+
+def test_blocked_dispatch_on_a_mesh_equals_unsharded():
+  """The blocked layer with its experts split over `tensor` and the batch over the data axes
+  (the sharding rules, an 8-device mesh) gives the unsharded outputs and input gradient."""
+  _, blocked, params = _layers("blocked", top_k=2)
+  x = jax.random.normal(jax.random.key(3), (4, 7, D_MODEL))
+
+  @jax.jit
+  def output_and_input_grad(params, x):
+    layer = lambda x: nnx.merge(blocked, params)(x)  # noqa: E731
+    return layer(x), jax.grad(lambda x: jnp.sum(jnp.sin(layer(x))))(x)
+
+  want = output_and_input_grad(params, x)
+  mesh = sharding.make_mesh((2, 2, 2))
+  sharded = jax.device_put(params, sharding.state_shardings(params, mesh))
+  assert any(any(axis is not None for axis in leaf.sharding.spec)
+             for leaf in jax.tree.leaves(sharded)), "nothing was sharded"
+  with jax.set_mesh(mesh):
+    got = output_and_input_grad(sharded, jax.device_put(x, sharding.batch_sharding(mesh)))
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)

@@ -345,6 +345,35 @@ _DISK_FAULTS = textwrap.dedent("""
     """)
 
 
+def test_orbax_async_save_failures_log_one_line_without_a_traceback():
+  """A save failing in orbax's writing thread (the disk filled during the write) is logged there
+  with its traceback before the run reports it in one line: the manager's filter keeps the log
+  line and drops the traceback. The phrase it keys on is in the installed orbax."""
+  import inspect
+  import logging
+  import re
+
+  from orbax.checkpoint._src.futures import future
+  from research.runs import checkpoints
+
+  source = re.sub(r"'\s*'", "", inspect.getsource(future))  # joins implicit concatenations
+  assert checkpoints.ASYNC_FAILURE_LOG in source
+  checkpoints._quiet_async_failures()
+  checkpoints._quiet_async_failures()  # idempotent: one filter
+  absl_logger = logging.getLogger("absl")
+  filters = [f for f in absl_logger.filters if isinstance(f, checkpoints._WithoutAsyncTraceback)]
+  assert len(filters) == 1
+  try:
+    raise OSError(28, "No space left on device")
+  except OSError:
+    exc_info = sys.exc_info()
+  records = [logging.LogRecord("absl", logging.ERROR, __file__, 1, message, ("x",), exc_info)
+             for message in (f"[thread=1] {checkpoints.ASYNC_FAILURE_LOG}: %s", "another: %s")]
+  assert all(filters[0].filter(record) for record in records)  # both lines are kept
+  assert records[0].exc_info is None and records[1].exc_info is exc_info
+  assert "Traceback" not in logging.Formatter().format(records[0])
+
+
 @pytest.mark.skipif(not can_mount_in_a_namespace(), reason="needs unshare -rm (user namespaces)")
 def test_a_disk_that_turns_read_only_or_full_stops_the_run_within_seconds(tmp_path):
   (tmp_path / "disk").mkdir()

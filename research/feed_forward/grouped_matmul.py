@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 # Rows per block: large enough for an efficient [BLOCK_ROWS, D] x [D, F] matmul per loop step,
-# small enough that padding every group to a multiple of it stays cheap (at most X - 1 blocks).
+# small enough that padding every group to a multiple of it stays cheap (fewer than X blocks).
 BLOCK_ROWS = 128
 
 

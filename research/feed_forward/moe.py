@@ -63,14 +63,14 @@ top_k experts alone, up to the order of floating-point sums.
             experimental grouped-matmul backend takes the op.
   "blocked" the sorted pairs through research/feed_forward/grouped_matmul.py instead of
             ragged_dot: each expert's rows padded to a multiple of 128 and multiplied block by
-            block (MegaBlocks' block-sparse form, arXiv:2211.15841), at the routed FLOPs plus at
-            most X - 1 padded blocks on every backend.
+            block (MegaBlocks' block-sparse form, arXiv:2211.15841), at the routed FLOPs plus
+            fewer than X padded blocks, on every backend.
 Measured on 2 CPU cores (BENCHMARKS.md, research/bench/moe_dispatch.py: d_model 512, 16 experts,
-top-2, 4096 tokens, fwd+bwd; 2026-12-04, Intel Xeon): one layer 6519 ms dense, 7968 ms sorted,
-774 ms blocked (8.4x faster than dense); a 2-layer model's training loss 18621, 16448 and 3843 ms
-(4.85x). "dense" stays the default, the reference of the tests. Because the dispatches compute the same function,
-a saved run (it predates the field, and loads with the default "dense", as it was trained) would
-be as correct with another: no predated_settings is needed.
+top-2, 4096 tokens, fwd+bwd; 2026-12-04, Intel Xeon): one layer 6519 ms dense, 7968 ms sorted, 774
+ms blocked (8.4x faster than dense); a 2-layer model's training loss 18621, 16448 and 3843 ms
+(4.85x). "dense" stays the default, the reference of the tests. Because the dispatches compute the
+same function, a saved run (it predates the field, and loads with the default "dense", as it was
+trained) would be as correct with another: no predated_settings is needed.
 
 research.flops counts the routed experts only (model FLOPs), so MFU states what a sparse layer
 would need, whichever the dispatch. At scale one also dispatches into fixed-capacity expert
@@ -100,7 +100,7 @@ from research.feed_forward import grouped_matmul
 
 # Each expert's kernels start as the MLP's do: fan-in of one expert, not of the stack.
 EXPERT_INIT = nnx.initializers.lecun_normal(batch_axis=(0,))
-# model.moe.dispatch: how the experts run (the module docstring); both compute the same function.
+# model.moe.dispatch: how the experts run (the module docstring); all compute the same function.
 DISPATCHES = ("dense", "sorted", "blocked")
 
 

@@ -7,7 +7,9 @@ probe file is written and synced in DIR/checkpoints and the free space is compar
 state's size: a read-only or full disk stops the run at once with CheckpointWriteError (orbax
 itself would wait out its 5-minute timeout for a step directory it cannot create), and an error
 of an earlier asynchronous save is reported the same way. Either way the last complete
-checkpoint is left as it was.
+checkpoint is left as it was. orbax's writing thread also logs that earlier error, with its
+traceback; the manager's log filter keeps the line and drops the traceback, so a full disk reads
+as one error line, not a stack from another thread.
 
 Kept: the latest `keep` checkpoints, and those of the steps `keep_at` whatever their age
 (train.keep_checkpoints and train.keep_checkpoints_at: checkpoints over training, for
@@ -33,6 +35,7 @@ changing), and so is a listing with no complete checkpoint while the directory h
 """
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -64,9 +67,31 @@ def steps(workdir: str) -> list[int]:
   return sorted(ocp.utils.checkpoint_steps(directory(workdir)))
 
 
+# What orbax's writing thread logs, with the traceback, when an asynchronous save fails
+# (orbax/checkpoint/_src/futures/future.py, _SignalingThread.run); `save` or `wait` then raise
+# the same error here as CheckpointWriteError.
+ASYNC_FAILURE_LOG = "_SignalingThread.run() raised an exception"
+
+
+class _WithoutAsyncTraceback(logging.Filter):
+  """Keeps orbax's line about a failed asynchronous save, drops its traceback."""
+
+  def filter(self, record):
+    if record.exc_info and ASYNC_FAILURE_LOG in str(record.msg):
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _quiet_async_failures():
+  logger = logging.getLogger("absl")  # orbax logs through absl.logging
+  if not any(isinstance(f, _WithoutAsyncTraceback) for f in logger.filters):
+    logger.addFilter(_WithoutAsyncTraceback())
+
+
 def manager(workdir: str, keep: int, keep_at: Sequence[int] = ()) -> ocp.CheckpointManager:
   """The manager of `workdir`'s checkpoints, keeping the latest `keep` and those of the steps
   `keep_at` (never deleted), saving asynchronously."""
+  _quiet_async_failures()
   policies = ocp.checkpoint_managers
   return ocp.CheckpointManager(
       directory(workdir), options=ocp.CheckpointManagerOptions(
