@@ -337,7 +337,7 @@ def test_peers_suite_agrees_with_pytorch_and_times_each_case(tmp_path, monkeypat
   pytest.importorskip("torch")
   monkeypatch.setenv("PJRT_NPROC", "")  # restored afterwards; the suite sets it
   cases = [case for case in peers.CASES if case != "train_large"]
-  paths = bench.main(["--suite=peers", f"--out={tmp_path}", "--quick",
+  paths = bench.main(["--suite=peers", f"--out={tmp_path}", "--quick", "--threads=2",
                       f"--only={','.join(cases)}"])
   with open(paths["json"]) as f:
     rows = json.load(f)["rows"]
@@ -346,3 +346,9 @@ def test_peers_suite_agrees_with_pytorch_and_times_each_case(tmp_path, monkeypat
   timed = {(row["case"], row["side"]) for row in rows if row.get("time_ms")}
   assert timed == {(case, side) for case in cases for side in ("project", "pytorch")}
   assert [row["implementation"] for row in rows if row.get("skipped")] == ["compile"]
+  # The 8 test devices give the rows split over 2 host devices (--threads=2), checked too.
+  split = {(row["case"], row["implementation"]) for row in rows
+           if row["part"] == "agreement" and "over 2 devices" in row.get("implementation", "")}
+  assert split == {("train", "jit over 2 devices"), ("attention", "blockwise over 2 devices")}
+  assert {("train", "jit over 2 devices"), ("attention", "blockwise over 2 devices")} <= {
+      (row["case"], row["implementation"]) for row in rows if row.get("time_ms")}

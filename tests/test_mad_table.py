@@ -102,3 +102,25 @@ def test_rows_with_macro_accuracy_are_scored_by_it_as_mad_lab_scores(tmp_path):
   del rows[0]["macro_accuracy"]  # one row from before: the per-token accuracy for all
   per_mixer = mad_table.scores(rows, "mad_in_context_recall")["test-selected"]
   assert per_mixer["mha"]["mad_memorization"].value == pytest.approx(1.0)
+
+
+def test_a_runs_macro_accuracy_reaches_the_results_rows_and_csv(tmp_path):
+  """report.collect keeps the macro accuracy eval.json records for MAD's tasks, so mad.md is
+  scored by it (rows built by hand above bypass that path)."""
+  import json  # noqa: PLC0415
+  import shutil  # noqa: PLC0415
+  from research.results import report  # noqa: PLC0415
+  fixture = os.path.join(os.path.dirname(__file__), "fixtures", "run_e4f910a")
+  run = tmp_path / "run"
+  run.mkdir()
+  shutil.copy(os.path.join(fixture, "config.json"), run / "config.json")
+  with open(os.path.join(fixture, "eval.json")) as f:
+    evaluation = json.load(f)[0]
+  evaluation.update(macro_accuracy=0.25, macro_accuracy_ci_low=0.2, macro_accuracy_ci_high=0.3)
+  with open(run / "eval.json", "w") as f:
+    json.dump([evaluation], f)
+  rows, _ = report.collect(str(run))
+  assert [row["macro_accuracy"] for row in rows] == [0.25]
+  with open(run / "results.csv") as f:
+    header = f.readline().strip().split(",")
+  assert {"macro_accuracy", "macro_accuracy_ci_low", "macro_accuracy_ci_high"} <= set(header)

@@ -39,6 +39,13 @@ installed jaxlib has no other thread count: XLA_FLAGS' --xla_cpu_multi_thread_ei
 Eigen's threading on or off (left on, its default), and intra_op_parallelism_threads is a field
 of XLA's compile options, not a flag.
 
+Host devices: XLA:CPU runs a loop (blockwise attention's tiles, a scan) on one thread, whatever
+the pool, so the suite also starts n host devices (XLA_FLAGS' --xla_force_host_platform_device_
+count=n, unless set) in that same pool and adds the rows `... over n devices`: the training step
+data-parallel over a (data=n) mesh of research.sharding (as the training loop runs on n devices),
+and blockwise attention with its heads split over the devices (jax.shard_map). The single-device
+rows run on device 0 as before; the n-device rows use the same n cores, not more.
+
 Timing (timing.turns_seconds): after a warm-up call of each implementation of a case, rounds
 that take one sample of each in turn, each sample after an idle gap (Settings.idle_seconds) in
 which both runtimes' worker threads stop spinning, so that neither slows the other: the rows
@@ -62,6 +69,7 @@ import optax
 from flax import nnx
 
 from research import model as model_lib
+from research import sharding
 from research.training import loop as train_lib
 from research.bench import decode as decode_bench
 from research.bench import mixers
@@ -72,6 +80,7 @@ from research.bench import train as train_bench
 INSTALL = "pip install -r requirements-peers.txt"
 RTOL = 1e-4  # agreement: max |project - PyTorch| <= RTOL * max |PyTorch| + ATOL, per tensor
 ATOL = 1e-6
+HOST_DEVICES_FLAG = "xla_force_host_platform_device_count"
 REFERENCE = {"num_layers": 2, "d_model": 128, "num_heads": 4}  # train.reference_config's model
 LARGE = {"num_layers": 4, "d_model": 512, "num_heads": 8}
 # Targets of issue 15 (PyTorch time / project time, at least): case -> (PyTorch, project, target).
@@ -127,6 +136,9 @@ def configure(args):
   args.threads = args.threads or os.cpu_count()
   args.xla_pool_pinned = not xla_bridge.backends_are_initialized()
   os.environ["PJRT_NPROC"] = str(args.threads)
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if args.xla_pool_pinned and HOST_DEVICES_FLAG not in xla_flags:
+    os.environ["XLA_FLAGS"] = f"{xla_flags} --{HOST_DEVICES_FLAG}={args.threads}".strip()
   torch.set_num_threads(args.threads)
 
 
@@ -136,6 +148,31 @@ def settings_row(args, torch):
           "torch_num_threads": torch.get_num_threads(),
           "pjrt_nproc": os.environ.get("PJRT_NPROC", ""), "xla_pool_pinned": pinned,
           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def host_devices(threads):
+  """The CPU devices (at most `threads`) that the `... over n devices` rows split work over;
+  empty off a CPU or with one device."""
+  devices = jax.devices()
+  devices = devices[:threads] if devices[0].platform == "cpu" else []
+  return devices if len(devices) > 1 else []
+
+
+def over_devices(name, devices):
+  """`name ... over n devices`: the implementation label of a row split over host devices."""
+  return f"{name} over {len(devices)} devices"
+
+
+def heads_over_devices(kernel, devices):
+  """(kernel with q, k, v [B, T, N, H] split by heads over `devices`, the inputs' sharding):
+  each device runs its heads' loops on its own thread."""
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("heads",))
+  spec = jax.sharding.PartitionSpec(None, None, "heads", None)
+  # check_vma=False: blockwise's loop carries start as zeros, not marked as varying over heads.
+  fn = jax.shard_map(kernel.fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+                     check_vma=False)
+  return (dataclasses.replace(kernel, name=over_devices(kernel.name, devices), fn=fn),
+          jax.sharding.NamedSharding(mesh, spec))
 
 
 # ---- The project's models in PyTorch's parameter names.
@@ -219,8 +256,10 @@ def compare(case, size, pairs):
   return row
 
 
-def check_train(case, dims, torch, pt):
-  """Logits, loss and every gradient of the same model on the same batch."""
+def check_train(case, dims, torch, pt, devices=()):
+  """Logits, loss and every gradient of the same model on the same batch: a row for the jitted
+  step on one device and, with host `devices` that split the batch, one for it data-parallel
+  over them."""
   config = train_config(dims, CHECK["train_batch"], CHECK["train_length"])
   model = model_lib.build_model(config.model, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -228,14 +267,24 @@ def check_train(case, dims, torch, pt):
   # Jitted: op by op, the gradient of the large model took most of the quick suite's time.
   value_and_grad = jax.jit(jax.value_and_grad(
       lambda state, inputs, targets: _mean_nll(graphdef, state, inputs, targets), has_aux=True))
-  (loss, logits), grads = value_and_grad(state, jnp.asarray(inputs), jnp.asarray(targets))
   gpt = _torch_gpt(pt, config, model, rope=True)
   t_loss, t_logits, t_grads = pt.loss_and_grads(gpt, torch.from_numpy(inputs),
                                                 torch.from_numpy(targets))
-  ours = torch_weights(nnx.merge(graphdef, grads))
-  pairs = [("logits", logits, t_logits.detach().numpy()), ("loss", loss, t_loss.item())]
-  pairs += [(f"grad {name}", ours[name], t_grads[name].numpy()) for name in sorted(t_grads)]
-  return compare(case, f"batch {CHECK['train_batch']} x {CHECK['train_length']}", pairs)
+  size = f"batch {CHECK['train_batch']} x {CHECK['train_length']}"
+  batch = jnp.asarray(inputs), jnp.asarray(targets)
+  runs = {"jit": lambda: value_and_grad(state, *batch)}
+  if devices and CHECK["train_batch"] % len(devices) == 0:
+    runs[over_devices("jit", devices)] = lambda: _data_parallel(
+        value_and_grad, [state], batch, devices)[0]()  # (loss, logits), grads
+  rows = []
+  for implementation, run_step in runs.items():
+    (loss, logits), grads = run_step()
+    ours = torch_weights(nnx.merge(graphdef, grads))
+    pairs = [("logits", logits, t_logits.detach().numpy()), ("loss", loss, t_loss.item())]
+    pairs += [(f"grad {name}", ours[name], t_grads[name].numpy()) for name in sorted(t_grads)]
+    rows.append({**compare(f"{case} {implementation}", size, pairs), "case": case,
+                 "implementation": implementation})
+  return rows
 
 
 def check_decode(case, torch, pt):
@@ -366,23 +415,49 @@ def _kernel(name):
   return next(k for k in mixers.kernels("cpu") if k.name == name)
 
 
-def kernel_calls(project_names, torch_name, torch_kernel, length):
-  """{(side, implementation): call} of the project kernels and the PyTorch kernel at `length`."""
+def kernel_calls(project_kernels, torch_name, torch_kernel, length, shardings=None):
+  """{(side, implementation): call} of the project kernels and the PyTorch kernel at `length`;
+  shardings: {kernel name: where its inputs live} (default: device 0)."""
   calls = {}
   inputs = cotangent = None
-  for name in project_names:
-    kernel = _kernel(name)
+  for kernel in project_kernels:
     inputs, cotangent = _kernel_inputs(kernel, length)
     grads = jax.jit(mixers.forward_backward(kernel))
-    device_inputs = [jnp.asarray(x) for x in (*inputs, cotangent)]
-    calls["project", name] = lambda grads=grads, args=device_inputs: grads(*args)
+    sharding = (shardings or {}).get(kernel.name)
+    device_inputs = [jnp.asarray(x) if sharding is None else jax.device_put(x, sharding)
+                     for x in (*inputs, cotangent)]
+    calls["project", kernel.name] = lambda grads=grads, args=device_inputs: grads(*args)
   tensors, t_cotangent = torch_kernel.prepare(inputs, cotangent)
   calls["pytorch", torch_name] = lambda: torch_kernel.call(tensors, t_cotangent)
   return calls
 
 
-def train_calls(dims, batch, length, torch, pt, compile_model):
-  """{(side, implementation): one training step}, and {(side, implementation): why skipped}."""
+def _data_parallel(fn, state, device_batch, devices, carried=0):
+  """(call, state): call() runs jitted fn(*state, *batch) with the batch split over a (data=n)
+  mesh of `devices` and the state (parameters, optimizer state) replicated, as the training loop
+  runs on n devices; a step that donates its state returns it first (`carried` outputs, which
+  replace it; call() then gives the last output)."""
+  mesh = sharding.make_mesh((len(devices), 1, 1), devices)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  # Copies first: the single-device step donates the buffers it was given.
+  held = [jax.device_put(jax.tree.map(jnp.copy, x), replicated) for x in state]
+  batch = [jax.device_put(jnp.copy(x), rows) for x in device_batch]
+
+  def call():
+    with jax.set_mesh(mesh):
+      out = fn(*held, *batch)
+    if not carried:
+      return out
+    held[:carried] = out[:carried]
+    return out[-1]
+
+  return call, held
+
+
+def train_calls(dims, batch, length, torch, pt, compile_model, devices=()):
+  """{(side, implementation): one training step}, and {(side, implementation): why skipped};
+  with host `devices`, also the step data-parallel over them."""
   config = train_config(dims, batch, length)
   model = model_lib.build_model(config.model, rngs=nnx.Rngs(config.train.seed))
   optimizer = train_lib.make_optimizer(config)[0]
@@ -400,15 +475,23 @@ def train_calls(dims, batch, length, torch, pt, compile_model):
   state = [params, optimizer.init(params)]
   device_batch = jnp.asarray(inputs), jnp.asarray(targets)
 
+  skipped = {}
+  calls = {}
+  if devices and batch % len(devices):
+    skipped["project", over_devices("jit", devices)] = (
+        f"batch {batch} does not split over {len(devices)} devices")
+  elif devices:
+    calls["project", over_devices("jit", devices)] = _data_parallel(
+        step, [params, optimizer.init(params)], device_batch, devices, carried=2)[0]
+
   def project():
     state[0], state[1], loss = step(*state, *device_batch)
     return loss
 
-  calls = {("project", "jit"): project}
+  calls = {("project", "jit"): project, **calls}
   gpt = _torch_gpt(pt, config, model, rope=True)
   batch = torch.from_numpy(inputs), torch.from_numpy(targets)
   models = {"eager": gpt}
-  skipped = {}
   if compile_model:
     models["compile"] = torch.compile(copy.deepcopy(gpt))
   else:
@@ -511,38 +594,46 @@ def run(args):
   cases = [case for case in CASES if not args.only or case in args.only]
   rows = [settings_row(args, torch)]
   print(report.progress_line(rows[0]), flush=True)
+  devices = host_devices(args.threads)
   sdpa, linear, scan = sdpa_kernel(torch), linear_kernel(torch, pt), scan_kernel(torch, pt)
-  kernel_cases = {"attention": (("xla", "blockwise"), "sdpa", sdpa, CHECK["kernel_length"]),
-                  "linear": (("linear",), "chunk", linear, CHECK["kernel_length"]),
-                  "mamba": (("mamba",), "reference", scan, CHECK["scan_length"])}
+  attention = [_kernel("xla"), _kernel("blockwise")]
+  shardings = {}
+  if devices:
+    split, shardings[split.name] = heads_over_devices(_kernel("blockwise"), devices)
+    attention.append(split)
+  kernel_cases = {"attention": (attention, "sdpa", sdpa, CHECK["kernel_length"]),
+                  "linear": ([_kernel("linear")], "chunk", linear, CHECK["kernel_length"]),
+                  "mamba": ([_kernel("mamba")], "reference", scan, CHECK["scan_length"])}
   for case in cases:  # every agreement check before any timing
     if case in ("train", "train_large"):
-      rows.append(check_train(case, REFERENCE if case == "train" else LARGE, torch, pt))
+      rows += check_train(case, REFERENCE if case == "train" else LARGE, torch, pt, devices)
     elif case == "decode":
       rows.append(check_decode(case, torch, pt))
     elif case == "matmul":
       rows.append(check_matmul(case, torch))
     else:
-      names, _, torch_kernel, length = kernel_cases[case]
-      rows += check_kernels(case, [_kernel(n) for n in names], torch_kernel, length)
+      project_kernels, _, torch_kernel, length = kernel_cases[case]
+      rows += check_kernels(case, project_kernels, torch_kernel, length)
   titles = _titles(settings)
   for case in cases:
     skipped = {}
     repeats = settings.repeats
     if case == "train":
       calls, skipped = train_calls(REFERENCE, settings.train_batch, settings.train_length,
-                                   torch, pt, settings.torch_compile)
+                                   torch, pt, settings.torch_compile, devices)
     elif case == "train_large":
-      calls, _ = train_calls(LARGE, settings.large_batch, settings.large_length, torch, pt,
-                             compile_model=False)
+      calls, skipped = train_calls(LARGE, settings.large_batch, settings.large_length, torch,
+                                   pt, compile_model=False, devices=devices)
+      skipped.pop(("pytorch", "compile"), None)  # not tried at this size
       repeats = settings.large_repeats
     elif case == "decode":
       calls, repeats = decode_calls(settings.decode_context, torch, pt), settings.decode_repeats
     elif case == "matmul":
       calls = matmul_calls(settings.matmul_size, torch)
     else:
-      names, torch_name, torch_kernel, _ = kernel_cases[case]
-      calls = kernel_calls(names, torch_name, torch_kernel, settings.kernel_length)
+      project_kernels, torch_name, torch_kernel, _ = kernel_cases[case]
+      calls = kernel_calls(project_kernels, torch_name, torch_kernel, settings.kernel_length,
+                           shardings)
     rows += time_rows(case, titles[case], calls, repeats, skipped, settings.idle_seconds)
   return rows
 
@@ -584,9 +675,14 @@ def summary(rows):
                                            side=side, implementation=impl)
     if not any(r.get("case") == case for r in rows):
       continue
-    value = report.ratio(get("pytorch", torch_impl), get("project", project_impl))
-    lines.append(f"{case}: PyTorch {torch_impl} / project {project_impl} time = {f(value)} "
-                 f"(target >= {target}x): {report.verdict(value, target, at_most=False)}")
+    split = sorted({r["implementation"] for r in rows if r.get("case") == case
+                    and r.get("side") == "project"
+                    and r["implementation"].startswith(f"{project_impl} over ")})
+    for implementation in (project_impl, *split):
+      value = report.ratio(get("pytorch", torch_impl), get("project", implementation))
+      lines.append(f"{case}: PyTorch {torch_impl} / project {implementation} time = "
+                   f"{f(value)} (target >= {target}x): "
+                   f"{report.verdict(value, target, at_most=False)}")
   timed = [r for r in rows if r.get("idle_load_max") is not None]
   if timed:
     lines.append(f"turns: one sample of each implementation in turn, each after an idle gap of "

@@ -7,7 +7,8 @@ attention, position, seed, train_length, train_steps, step, split, eval_length, 
 rope_scaling, num_tokens, sliding_stride, bootstrap_samples, bootstrap_seed, loss, perplexity,
 accuracy, exact_match, tokens and sequences (scored windows or examples), state_bytes (the
 decode state per sequence at that length), the 95% bootstrap interval of
-each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...), and, in a sweep, one
+each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...), macro_accuracy and its
+interval where the evaluation recorded it (MAD's tasks), and, in a sweep, one
 column per swept field: a field that changes training in which a run differs from the sweep's
 base config (its dotted name). Needle tasks add `depths` (those evaluated) and a row per needle
 depth, with its `depth`; their row with an empty depth pools every depth. summary.md and the
@@ -34,7 +35,10 @@ from research.runs import workdirs
 
 INTERVAL_METRICS = ("loss", "perplexity", "accuracy", "exact_match")
 CI_COLUMNS = tuple(f"{m}_ci_{end}" for m in INTERVAL_METRICS for end in ("low", "high"))
-METRIC_COLUMNS = INTERVAL_METRICS + ("tokens", "sequences", "state_bytes") + CI_COLUMNS
+# Recorded by some evaluations only (MAD's tasks: research.evaluation.extrapolation).
+OPTIONAL_METRICS = ("macro_accuracy", "macro_accuracy_ci_low", "macro_accuracy_ci_high")
+METRIC_COLUMNS = (INTERVAL_METRICS + ("tokens", "sequences", "state_bytes") + CI_COLUMNS
+                  + OPTIONAL_METRICS)
 
 
 def _attention_label(config):
