@@ -20,8 +20,8 @@ per task, then over tasks).
       and 4 heads instead of 128 and 16; 120 steps of batch 64 instead of 200 epochs of 128
       (20,000 steps at 12,800 examples), from 4,096 training examples (memorization keeps its
       256, ~30 epochs instead of 200); 256 test examples instead of 1,280; gradients clipped
-      at the lab's 1.0. 42 runs: 39 min 22 s with --parallel=2 on 2 AMD EPYC cores shared
-      with tests (2026-12-02; results in docs/results.md). It checks the pipeline and separates
+      at the lab's 1.0. 42 runs: 20 min with --parallel=2 on 2 idle Intel Xeon cores
+      (2026-12-04; results in docs/results.md). It checks the pipeline and separates
       mixers only coarsely: there DeltaNet and RWKV-6 solve in-context recall (0.99, 1.00) while
       MHA stays at 0.32 (also with 1 head, or 240 steps of 32, in earlier probes), and no mixer
       learns fuzzy recall or selective copying; the protocol's 20,000 steps are what the tasks
