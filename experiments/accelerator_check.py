@@ -5,9 +5,10 @@
 
 Four steps, each a subprocess with its own time limit (a step that fails or runs out is
 reported as such and the next one runs):
-  tests      the kernel, conformance and Pallas-backend tests on the accelerator
-             (JAX_PLATFORMS=cuda: the Pallas kernel compiled by Triton, not interpreted; the
-             8-device sharding tests need 8 devices and are left to CPU, where CI runs them)
+  tests      the kernel, conformance, Pallas-backend and MoE-dispatch (sorted ragged_dot,
+             blocked grouped matmul) tests on the accelerator (JAX_PLATFORMS=cuda: the Pallas
+             kernel compiled by Triton, not interpreted; the 8-device sharding tests need 8
+             devices and are left to CPU, where CI runs them)
   mixers     `experiments.bench --suite=mixers --dtype=bfloat16` at 1024, 4096, 16384 tokens:
              xla, blockwise, cudnn, pallas and every bias kernel; the chunked and associative
              scans
@@ -51,8 +52,9 @@ def steps(out, dry_run):
   bench = [python, "-m", "experiments.bench", "--dtype=float32" if dry_run else "--dtype=bfloat16"]
   size = ["--quick"] if dry_run else []
   tests = ["tests/test_kernels.py", "tests/test_conformance.py", "tests/test_pallas_backend.py",
-           "-k",
-           "(mha-rope-xla or linear-rope) and not sharded" if dry_run else "not sharded"]
+           "tests/test_moe_dispatch.py", "tests/test_grouped_matmul.py", "-k",
+           "(mha-rope-xla or linear-rope) and not sharded" if dry_run
+           else "not sharded and not on_a_mesh"]
   platform = {"JAX_PLATFORMS": "cpu" if dry_run else "cuda",
               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
   return [
