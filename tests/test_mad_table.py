@@ -2,13 +2,16 @@
 (lr, wd) grid per task setting, averaged per task and over tasks (mad-lab's analysis), the
 validation-selected score beside it, their intervals, and the state figure."""
 
+import json
 import math
 import os
+import shutil
 
 import pytest
 
 from research.results import mad_table
 from research.results import plots
+from research.results import report
 
 GRID = [(1e-3, 0.0), (1e-4, 0.1)]
 
@@ -107,9 +110,6 @@ def test_rows_with_macro_accuracy_are_scored_by_it_as_mad_lab_scores(tmp_path):
 def test_a_runs_macro_accuracy_reaches_the_results_rows_and_csv(tmp_path):
   """report.collect keeps the macro accuracy eval.json records for MAD's tasks, so mad.md is
   scored by it (rows built by hand above bypass that path)."""
-  import json  # noqa: PLC0415
-  import shutil  # noqa: PLC0415
-  from research.results import report  # noqa: PLC0415
   fixture = os.path.join(os.path.dirname(__file__), "fixtures", "run_e4f910a")
   run = tmp_path / "run"
   run.mkdir()

@@ -274,8 +274,7 @@ def check_train(case, dims, torch, pt, devices=()):
   batch = jnp.asarray(inputs), jnp.asarray(targets)
   runs = {"jit": lambda: value_and_grad(state, *batch)}
   if devices and CHECK["train_batch"] % len(devices) == 0:
-    runs[over_devices("jit", devices)] = lambda: _data_parallel(
-        value_and_grad, [state], batch, devices)[0]()  # (loss, logits), grads
+    runs[over_devices("jit", devices)] = _data_parallel(value_and_grad, [state], batch, devices)
   rows = []
   for implementation, run_step in runs.items():
     (loss, logits), grads = run_step()
@@ -433,9 +432,9 @@ def kernel_calls(project_kernels, torch_name, torch_kernel, length, shardings=No
 
 
 def _data_parallel(fn, state, device_batch, devices, carried=0):
-  """(call, state): call() runs jitted fn(*state, *batch) with the batch split over a (data=n)
-  mesh of `devices` and the state (parameters, optimizer state) replicated, as the training loop
-  runs on n devices; a step that donates its state returns it first (`carried` outputs, which
+  """call() running jitted fn(*state, *batch) with the batch split over a (data=n) mesh of
+  `devices` and the state (parameters, optimizer state) replicated, as the training loop runs
+  on n devices; a step that donates its state returns it first (`carried` outputs, which
   replace it; call() then gives the last output)."""
   mesh = sharding.make_mesh((len(devices), 1, 1), devices)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -452,7 +451,7 @@ def _data_parallel(fn, state, device_batch, devices, carried=0):
     held[:carried] = out[:carried]
     return out[-1]
 
-  return call, held
+  return call
 
 
 def train_calls(dims, batch, length, torch, pt, compile_model, devices=()):
@@ -482,7 +481,7 @@ def train_calls(dims, batch, length, torch, pt, compile_model, devices=()):
         f"batch {batch} does not split over {len(devices)} devices")
   elif devices:
     calls["project", over_devices("jit", devices)] = _data_parallel(
-        step, [params, optimizer.init(params)], device_batch, devices, carried=2)[0]
+        step, [params, optimizer.init(params)], device_batch, devices, carried=2)
 
   def project():
     state[0], state[1], loss = step(*state, *device_batch)
