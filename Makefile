@@ -29,12 +29,13 @@ test: $(STAMP)
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-300} $(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_configs.py
 
+# Each suite rewrites its block of BENCHMARKS.md and its figure in docs/bench/ (peers needs
+# requirements-peers.txt and runs on its own: BENCHMARKS.md gives the command).
+BENCH_SUITES := mixers decode train state recurrent
 bench: $(STAMP)
-	$(PY) -m experiments.bench --suite=mixers --workdir=runs/bench
-	$(PY) -m experiments.bench --suite=decode --workdir=runs/bench
-	$(PY) -m experiments.bench --suite=train --workdir=runs/bench
-	$(PY) -m experiments.bench --suite=state --workdir=runs/bench
-	$(PY) -m experiments.bench --suite=recurrent --workdir=runs/bench
+	set -e; for suite in $(BENCH_SUITES); do \
+	  $(PY) -m experiments.bench --suite=$$suite --workdir=runs/bench --benchmarks=BENCHMARKS.md; \
+	done
 
 # Every result figure and table of README.md and docs/ from the current code, each quick preset
 # in turn (hours on 2 CPU cores); RESULTS=demo,mad makes some (experiments/results.py).

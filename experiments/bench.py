@@ -7,6 +7,8 @@
   python -m experiments.bench --suite=state --workdir=DIR
   python -m experiments.bench --suite=recurrent --workdir=DIR
   python -m experiments.bench --suite=peers --workdir=DIR [--threads=N]
+  ... --benchmarks=BENCHMARKS.md       also rewrite the suite's block there (`make bench` does)
+  ... --from_json                      report DIR/<suite>.json's run again, measuring nothing
 
 mixers: forward + backward time and compiled temp memory of each mixer kernel against length
 (about 6 minutes on a 2-core CPU); decode: per-token decode latency and cache bytes against
@@ -21,16 +23,21 @@ on the same CPU with the same thread count (training step, attention, decode, li
 Mamba scan, matmul; research/bench/peers.py; needs `pip install -r requirements-peers.txt`;
 about 4.5 minutes on 2 cores). --quick: short lengths and fewer repeats, a smoke test.
 The markdown file lists the performance targets as ratios computed from the same run.
+--benchmarks=FILE replaces the suite's block of FILE (research/bench/benchmarks_file.py) with
+that markdown and copies the figure to docs/bench/ beside it.
 """
 
+import os
 import shlex
 import sys
+import time
 import types
 
 from absl import app
 from absl import flags
 
 from experiments import cli
+from research.bench import benchmarks_file
 from research.bench import decode
 from research.bench import mixers
 from research.bench import peers
@@ -62,6 +69,11 @@ _ONLY = flags.DEFINE_list(
     "only", [], "Kernels (mixers) or attention/position variants (train, decode; state: its "
     "prefill part; recurrent: mixer names; peers: cases, research.bench.peers.CASES) to run, or "
     "`packing` (train: the data.packing comparison); default: every one the registries give.")
+_BENCHMARKS = flags.DEFINE_string(
+    "benchmarks", "", "A markdown file (BENCHMARKS.md) whose '<!-- make bench: SUITE -->' block "
+    "to rewrite from this run, its figure copied to docs/bench/ beside it.")
+_FROM_JSON = flags.DEFINE_bool("from_json", False, "Measure nothing: report the run saved in "
+                               "<workdir>/<suite>.json again (its files, --benchmarks).")
 _THREADS = flags.DEFINE_integer("threads", 0, "peers: threads of each framework (default: "
                                 "os.cpu_count()).")
 
@@ -85,9 +97,19 @@ def _settings() -> types.SimpleNamespace:
                          f"ones); --lengths applies to --suite={takes}")
   if _THREADS.value and suite.configure is None:
     raise app.UsageError(f"--threads applies to --suite=peers, not --suite={_SUITE.value}")
+  if _BENCHMARKS.value:
+    try:
+      benchmarks_file.check(_BENCHMARKS.value, _SUITE.value)
+    except ValueError as error:
+      raise app.UsageError(f"--benchmarks: {error}") from None
+  saved = os.path.join(_WORKDIR.value, f"{_SUITE.value}.json")
+  if _FROM_JSON.value and not os.path.isfile(saved):
+    raise app.UsageError(f"--from_json: {saved} does not exist (run the suite into --workdir "
+                         "first)")
   return types.SimpleNamespace(suite=_SUITE.value, out=_WORKDIR.value, lengths=lengths,
                                dtype=_DTYPE.value, quick=_QUICK.value, threads=_THREADS.value,
-                               only=tuple(x.strip() for x in _ONLY.value if x.strip()))
+                               only=tuple(x.strip() for x in _ONLY.value if x.strip()),
+                               benchmarks=_BENCHMARKS.value, from_json=_FROM_JSON.value)
 
 
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
@@ -98,14 +120,22 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
 
 
 def measure(args: types.SimpleNamespace, command: str) -> dict:
-  """Runs the suite and writes its files; returns their paths."""
+  """Runs the suite (or reads its saved run) and writes its files; returns their paths."""
   suite = SUITES[args.suite]
-  if suite.configure is not None:
-    suite.configure(args)
-  meta = report.metadata(command)
-  print(f"{suite.name}: {meta['hardware']}, jax {meta['jax_version']}", flush=True)
-  rows = suite.run(args)
+  if args.from_json:
+    rows, meta = report.read_json(os.path.join(args.out, f"{suite.name}.json"))
+  else:
+    if suite.configure is not None:
+      suite.configure(args)
+    meta = report.metadata(command)
+    print(f"{suite.name}: {meta['hardware']}, jax {meta['jax_version']}", flush=True)
+    started = time.monotonic()
+    rows = suite.run(args)
+    meta["minutes"] = (time.monotonic() - started) / 60
   paths = report.write_all(args.out, suite, rows, meta)
+  if args.benchmarks:
+    paths["benchmarks"], paths["figure"] = benchmarks_file.update(
+        args.benchmarks, suite, rows, meta, paths["png"])
   print("\n".join(suite.summary(rows)))
   print("wrote " + ", ".join(paths.values()))
   return paths

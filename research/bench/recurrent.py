@@ -136,38 +136,72 @@ def run(args):
   return rows
 
 
-def summary(rows):
-  f = report.fmt_ratio
-  lines = []
+def _ratios(rows):
+  """{mixer: (time length, chunked speed-up over the recurrence, (short, long) memory lengths,
+  chunked temp memory growth between them)}, None where a point is missing."""
+  result = {}
   for name in dict.fromkeys(row["mixer"] for row in rows):
     get = lambda field, **match: report.lookup(rows, field, mixer=name, **match)  # noqa: E731
     timed = [r for r in rows if r["mixer"] == name and r["part"] == "time"]
-    length = timed[0]["length"] if timed else None
     speedup = report.ratio(get("time_ms", part="time", form="recurrence"),
                            get("time_ms", part="time", form="chunked"))
-    lines.append(f"{name}: chunked fwd+bwd at {length} {f(speedup)} faster than its "
-                 f"token-by-token recurrence (target >= {TARGETS['speedup']:.0f}x): "
-                 f"{report.verdict(speedup, TARGETS['speedup'], at_most=False)}")
     memory = sorted((r["length"], r.get("temp_bytes")) for r in rows
                     if r["mixer"] == name and r["part"] == "memory")
     growth = report.ratio(memory[-1][1], memory[0][1]) if len(memory) > 1 else None
-    lines.append(f"{name}: chunked temp memory {memory[-1][0]}/{memory[0][0]} = {f(growth)} "
-                 f"(target <= {TARGETS['memory_growth']:.0f}x): "
-                 f"{report.verdict(growth, TARGETS['memory_growth'])}")
-  return lines
+    result[name] = (timed[0]["length"] if timed else None, speedup,
+                    (memory[0][0], memory[-1][0]) if memory else None, growth)
+  return result
+
+
+def _verdicts(values, target, at_most):
+  """One clause over every mixer: how many meet `target`, the range, and each miss by name."""
+  f = report.fmt_ratio
+  measured = {name: value for name, value in values.items() if value is not None}
+  missed = {name: value for name, value in measured.items()
+            if report.verdict(value, target, at_most) != "met"}
+  text = f"met by {len(measured) - len(missed)} of {len(values)}"
+  if measured:
+    low, high = min(measured, key=measured.get), max(measured, key=measured.get)
+    text += f" ({low} {f(measured[low])} to {high} {f(measured[high])})"
+  if missed:
+    text += "; **missed** by " + ", ".join(f"{n} ({f(v)})" for n, v in missed.items())
+  unmeasured = sorted(set(values) - set(measured))
+  if unmeasured:
+    text += "; not measured: " + ", ".join(unmeasured)
+  return text
+
+
+def summary(rows):
+  ratios = _ratios(rows)
+  if not ratios:
+    return ["no mixer measured"]
+  length, _, memory_lengths, _ = next(iter(ratios.values()))
+  long_, short = (memory_lengths or (None, None))[::-1]
+  return [
+      f"chunked fwd+bwd at {length} >= {TARGETS['speedup']:.0f}x faster than its token-by-token "
+      f"recurrence: {_verdicts({n: r[1] for n, r in ratios.items()}, TARGETS['speedup'], False)}",
+      f"chunked temp memory {long_}/{short} <= {TARGETS['memory_growth']:.0f}x: "
+      f"{_verdicts({n: r[3] for n, r in ratios.items()}, TARGETS['memory_growth'], True)}"]
 
 
 def tables(rows):
-  mib = lambda b: f"{b / report.MIB:.1f}"  # noqa: E731
-  ms = lambda x: f"{x:.1f}"  # noqa: E731
-  result = [
-      ("fwd+bwd time, ms (median)",
-       report.pivot([r for r in rows if r["part"] == "time"], "mixer", "form", "time_ms", ms,
-                    missing="skip")),
-      ("chunked fwd+bwd compiled temp memory, MiB",
-       report.pivot([r for r in rows if r["part"] == "memory" and "temp_bytes" in r], "mixer",
-                    "length", "temp_bytes", mib)),
-  ]
+  ratios = _ratios(rows)
+  lengths = sorted({r["length"] for r in rows if r["part"] == "memory"})
+  time_length = next((r["length"] for r in rows if r["part"] == "time"), "")
+  cell = lambda value, fmt: "skip" if value is None else fmt(value)  # noqa: E731
+  body = []
+  for name, (_, speedup, _, growth) in ratios.items():
+    get = lambda field, **match: report.lookup(rows, field, mixer=name, **match)  # noqa: E731
+    body.append([name, cell(get("time_ms", part="time", form="chunked"), "{:.1f}".format),
+                 cell(get("time_ms", part="time", form="recurrence"), "{:.1f}".format),
+                 report.fmt_ratio(speedup)]
+                + [cell(get("temp_bytes", part="memory", length=n),
+                        lambda b: f"{b / report.MIB:.1f}") for n in lengths]
+                + [report.fmt_ratio(growth)])
+  header = ["mixer", f"chunked ms at {time_length}", "recurrence ms", "speed-up"]
+  header += [f"temp MiB {n}" for n in lengths] + ["growth"]
+  result = [("chunked against the recurrence (fwd+bwd, medians; chunked form's temp memory)",
+             report.markdown_table(header, body))]
   skipped = [[r["mixer"], r["part"], r["form"], r["length"], r["skipped"]] for r in rows
              if r.get("skipped")]
   if skipped:

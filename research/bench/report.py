@@ -16,6 +16,8 @@ from typing import Callable, Optional
 import jax
 import matplotlib
 
+from research.results import made
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -70,9 +72,10 @@ def hardware():
 
 
 def metadata(command):
+  """When, where, with what and from which commit a run is made (its "minutes" set after it)."""
   return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
           "hardware": hardware(), "backend": jax.default_backend(),
-          "jax_version": jax.__version__, "command": command}
+          "jax_version": jax.__version__, "command": command, "commit": made.commit()}
 
 
 def lookup(rows, field, **match):
@@ -135,16 +138,35 @@ def write_json(path, rows, meta):
     json.dump({"metadata": meta, "rows": rows}, f, indent=1)
 
 
-def write_markdown(path, suite, rows, meta):
-  parts = [f"# Benchmark: {suite.name}", "", suite.description, "",
-           f"- date: {meta['date']}", f"- hardware: {meta['hardware']} ({meta['backend']})",
+def read_json(path):
+  """(rows, metadata) of a run's DIR/<suite>.json."""
+  with open(path) as f:
+    saved = json.load(f)
+  return saved["rows"], saved["metadata"]
+
+
+def body(suite, rows, meta, level=2):
+  """One run's markdown under a title: description, metadata, targets and tables, with headings
+  at `level` (a run's own file: 2; its section of BENCHMARKS.md: 3)."""
+  heading = "#" * level
+  when = meta["date"]
+  if meta.get("commit"):
+    when += f" (commit {meta['commit']})"
+  if meta.get("minutes") is not None:
+    when += f", {meta['minutes']:.1f} minutes"
+  parts = [suite.description, "", f"- date: {when}",
+           f"- hardware: {meta['hardware']} ({meta['backend']})",
            f"- jax: {meta['jax_version']}", f"- command: `{meta['command']}`", "",
-           "## Targets (ratios from this run)", ""]
+           f"{heading} Targets (ratios from this run)", ""]
   parts += [f"- {line}" for line in suite.summary(rows)]
   for title, table in suite.tables(rows):
-    parts += ["", f"## {title}", "", table]
+    parts += ["", f"{heading} {title}", "", table]
+  return "\n".join(parts)
+
+
+def write_markdown(path, suite, rows, meta):
   with open(path, "w") as f:
-    f.write("\n".join(parts) + "\n")
+    f.write(f"# Benchmark: {suite.name}\n\n{body(suite, rows, meta)}\n")
 
 
 def write_figure(path, suite, rows, meta):
