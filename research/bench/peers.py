@@ -165,9 +165,10 @@ def over_devices(name, devices):
 
 def heads_over_devices(kernel, devices):
   """(kernel with q, k, v [B, T, N, H] split by heads over `devices`, the inputs' sharding):
-  each device runs its heads' loops on its own thread."""
-  mesh = jax.sharding.Mesh(np.asarray(devices), ("heads",))
-  spec = jax.sharding.PartitionSpec(None, None, "heads", None)
+  each device runs its heads' loops on its own thread. The mesh is the training loop's, its
+  tensor axis (where the model's heads go) over `devices`."""
+  mesh = sharding.make_mesh((1, 1, len(devices)), devices)
+  spec = jax.sharding.PartitionSpec(None, None, "tensor", None)
   # check_vma=False: blockwise's loop carries start as zeros, not marked as varying over heads.
   fn = jax.shard_map(kernel.fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                      check_vma=False)
