@@ -85,7 +85,8 @@ def test_decode_suite_writes_rows_tables_and_targets(tmp_path):
   assert [line[0] for line in latency_table] == only
   assert "linear latency 32/16" in markdown and "mamba latency 32/16" in markdown
   assert "gqa_kv2 / mha cache bytes = 0.2500, 0.2500 at every context" in markdown
-  assert "growing caches' cache_bytes = the analytic bytes + a fixed part: yes" in markdown
+  assert ("growing caches' cache_bytes = the analytic bytes (layers x cache bytes per token x "
+          "context) + a part of fixed size: yes") in markdown
   recurrent = [row["cache_bytes"] for row in rows if row["attention"] in ("linear", "mamba")]
   assert recurrent[0::2] == recurrent[1::2]  # a fixed-size state, whatever the context
 

@@ -146,8 +146,12 @@ def summary(rows):
     if row["analytic_kv_bytes"] is not None:
       fixed.setdefault(row["variant"], set()).add(row["cache_bytes"] - row["analytic_kv_bytes"])
   agree = all(len(parts) == 1 for parts in fixed.values())
-  lines.append(f"growing caches' cache_bytes = the analytic bytes + a fixed part: "
-               f"{'yes' if agree else 'NO'}")
+  nonzero = {variant: next(iter(parts)) for variant, parts in fixed.items()
+             if len(parts) == 1 and 0 not in parts}
+  named = ", ".join(f"{variant} {part / report.MIB:.3f} MiB" for variant, part in nonzero.items())
+  lines.append(f"growing caches' cache_bytes = the analytic bytes (layers x cache bytes per token "
+               f"x context) + a part of fixed size: {'yes' if agree else 'NO'} (the fixed part: "
+               f"{named or 'none'}; 0 for the other {len(fixed) - len(nonzero)} growing caches)")
   return lines
 
 
@@ -158,9 +162,6 @@ def tables(rows):
        report.pivot(rows, "variant", "context", "latency_ms", lambda ms: f"{ms:.2f}")),
       ("cache bytes (model.cache_bytes), MiB",
        report.pivot(rows, "variant", "context", "cache_bytes", mib)),
-      ("analytic KV cache bytes, MiB (softmax types)",
-       report.pivot([row for row in rows if row["analytic_kv_bytes"] is not None], "variant",
-                    "context", "analytic_kv_bytes", mib)),
   ]
 
 
