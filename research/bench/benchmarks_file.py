@@ -1,6 +1,5 @@
 """The suites' sections of BENCHMARKS.md, rewritten by `make bench` (experiments.bench).
 
-
 Each suite's section holds one block between two marker lines,
 
   <!-- make bench: mixers -->
