@@ -153,35 +153,18 @@ def _ratios(rows):
   return result
 
 
-def _verdicts(values, target, at_most):
-  """One clause over every mixer: how many meet `target`, the range, and each miss by name."""
-  f = report.fmt_ratio
-  measured = {name: value for name, value in values.items() if value is not None}
-  missed = {name: value for name, value in measured.items()
-            if report.verdict(value, target, at_most) != "met"}
-  text = f"met by {len(measured) - len(missed)} of {len(values)}"
-  if measured:
-    low, high = min(measured, key=measured.get), max(measured, key=measured.get)
-    text += f" ({low} {f(measured[low])} to {high} {f(measured[high])})"
-  if missed:
-    text += "; **missed** by " + ", ".join(f"{n} ({f(v)})" for n, v in missed.items())
-  unmeasured = sorted(set(values) - set(measured))
-  if unmeasured:
-    text += "; not measured: " + ", ".join(unmeasured)
-  return text
-
-
 def summary(rows):
   ratios = _ratios(rows)
   if not ratios:
     return ["no mixer measured"]
   length, _, memory_lengths, _ = next(iter(ratios.values()))
   long_, short = (memory_lengths or (None, None))[::-1]
-  return [
-      f"chunked fwd+bwd at {length} >= {TARGETS['speedup']:.0f}x faster than its token-by-token "
-      f"recurrence: {_verdicts({n: r[1] for n, r in ratios.items()}, TARGETS['speedup'], False)}",
-      f"chunked temp memory {long_}/{short} <= {TARGETS['memory_growth']:.0f}x: "
-      f"{_verdicts({n: r[3] for n, r in ratios.items()}, TARGETS['memory_growth'], True)}"]
+  speedups = report.verdicts_over({n: r[1] for n, r in ratios.items()}, TARGETS["speedup"],
+                                  at_most=False)
+  growths = report.verdicts_over({n: r[3] for n, r in ratios.items()}, TARGETS["memory_growth"])
+  return [f"chunked fwd+bwd at {length} >= {TARGETS['speedup']:.0f}x faster than its "
+          f"token-by-token recurrence: {speedups}",
+          f"chunked temp memory {long_}/{short} <= {TARGETS['memory_growth']:.0f}x: {growths}"]
 
 
 def tables(rows):

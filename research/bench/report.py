@@ -102,6 +102,24 @@ def verdict(value, target, at_most=True):
   return f"MISSED by {miss:.2f}x"
 
 
+def verdicts_over(values, target, at_most=True):
+  """One clause over {name: measured ratio}: how many meet `target`, the range, and each miss
+  and each point not measured by name."""
+  measured = {name: value for name, value in values.items() if value is not None}
+  missed = {name: value for name, value in measured.items()
+            if verdict(value, target, at_most) != "met"}
+  text = f"met by {len(measured) - len(missed)} of {len(values)}"
+  if measured:
+    low, high = min(measured, key=measured.get), max(measured, key=measured.get)
+    text += f" ({low} {fmt_ratio(measured[low])} to {high} {fmt_ratio(measured[high])})"
+  if missed:
+    text += "; **missed** by " + ", ".join(f"{n} ({fmt_ratio(v)})" for n, v in missed.items())
+  unmeasured = sorted(set(values) - set(measured))
+  if unmeasured:
+    text += "; not measured: " + ", ".join(unmeasured)
+  return text
+
+
 def fmt_ratio(value):
   return "n/a" if value is None else f"{value:.2f}x"
 
