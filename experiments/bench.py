@@ -24,7 +24,7 @@ Mamba scan, matmul; research/bench/peers.py; needs `pip install -r requirements-
 about 4.5 minutes on 2 cores). --quick: short lengths and fewer repeats, a smoke test.
 The markdown file lists the performance targets as ratios computed from the same run.
 --benchmarks=FILE replaces the suite's block of FILE (research/bench/benchmarks_file.py) with
-that markdown and copies the figure to docs/bench/ beside it.
+that markdown's targets and main table, and copies the markdown and the figure to docs/bench/.
 """
 
 import os
@@ -134,8 +134,8 @@ def measure(args: types.SimpleNamespace, command: str) -> dict:
     meta["minutes"] = (time.monotonic() - started) / 60
   paths = report.write_all(args.out, suite, rows, meta)
   if args.benchmarks:
-    paths["benchmarks"], paths["figure"] = benchmarks_file.update(
-        args.benchmarks, suite, rows, meta, paths["png"])
+    paths["benchmarks"], paths["report"], paths["figure"] = benchmarks_file.update(
+        args.benchmarks, suite, rows, meta, paths)
   print("\n".join(suite.summary(rows)))
   print("wrote " + ", ".join(paths.values()))
   return paths

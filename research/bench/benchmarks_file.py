@@ -7,9 +7,10 @@ Each suite's section holds one block between two marker lines,
   <!-- end make bench: mixers -->
 
 which a run with --benchmarks=BENCHMARKS.md replaces with that run's description, date, commit,
-hardware, command, targets and tables (research.bench.report.body), its figure copied to
-docs/bench/<suite>.png beside the file. Text outside the markers (what the numbers mean) is kept
-as written, so a section always shows one run, never a patchwork of runs.
+hardware, command, targets and main table (research.bench.report.body), its whole report (every
+table) and figure copied to docs/bench/<suite>.md and .png beside the file. Text outside the
+markers (what the numbers mean) is kept as written, so a section always shows one run, never a
+patchwork of runs.
 """
 
 import os
@@ -57,18 +58,24 @@ def replace_block(text, name, block):
   return f"{text[:start]}\n{block.strip()}\n{text[stop:]}"
 
 
-def update(path, suite, rows, meta, figure):
-  """Rewrites suite's block of the file at `path` from one run, and copies the run's `figure`
-  to docs/bench/<suite>.png beside it; returns the two paths written."""
-  relative = os.path.join("docs", "bench", f"{suite.name}.png")
-  destination = os.path.join(os.path.dirname(os.path.abspath(path)), relative)
-  os.makedirs(os.path.dirname(destination), exist_ok=True)
-  shutil.copyfile(figure, destination)
-  block = f"{report.body(suite, rows, meta, level=3)}\n\n![{suite.name}]({relative})"
+def update(path, suite, rows, meta, outputs):
+  """Rewrites suite's block of the file at `path` from one run, and copies the run's report and
+  figure (`outputs`: {"md": path, "png": path}) to docs/bench/<suite>.md and .png beside it;
+  returns the paths written."""
+  copies = {}
+  for ext in ("md", "png"):
+    relative = os.path.join("docs", "bench", f"{suite.name}.{ext}")
+    destination = os.path.join(os.path.dirname(os.path.abspath(path)), relative)
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    shutil.copyfile(outputs[ext], destination)
+    copies[ext] = (relative, destination)
+  block = (f"{report.body(suite, rows, meta, level=3, max_tables=1)}\n\n"
+           f"Every table of this run: [{copies['md'][0]}]({copies['md'][0]}).\n\n"
+           f"![{suite.name}]({copies['png'][0]})")
   with open(path) as f:
     text = replace_block(f.read(), suite.name, block)
   partial = f"{path}.partial"
   with open(partial, "w") as f:
     f.write(text)
   os.replace(partial, path)  # a reader sees the old file or the new one, never half of one
-  return path, destination
+  return [path, copies["md"][1], copies["png"][1]]

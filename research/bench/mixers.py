@@ -265,19 +265,18 @@ def summary(rows):
   mamba_time = report.ratio(get("time_ms", "mamba", 4096),
                             get("time_ms", "mamba_sequential", 4096))
   f = report.fmt_ratio
-  bias_lines = []
-  for name in sorted({row["kernel"] for row in rows if row["kernel"].startswith("blockwise_")}):
-    if name == "blockwise_alibi":
-      continue
-    memory = report.ratio(get("temp_bytes", name, 4096), get("temp_bytes", "blockwise_alibi", 4096))
-    growth = report.ratio(get("temp_bytes", name, 8192), get("temp_bytes", name, 1024))
-    time_ratio = report.ratio(get("time_ms", name, 4096), get("time_ms", "blockwise_alibi", 4096))
-    bias_lines += [
-        f"{name} / blockwise_alibi temp memory at 4096 = {f(memory)} (target <= 2x): "
-        f"{report.verdict(memory, 2)}; its growth 8192/1024 = {f(growth)} (target <= 10x): "
-        f"{report.verdict(growth, 10)}",
-        f"{name} / blockwise_alibi fwd+bwd time at 4096 = {f(time_ratio)} (target <= 1.5x): "
-        f"{report.verdict(time_ratio, 1.5)}"]
+  biases = sorted({row["kernel"] for row in rows if row["kernel"].startswith("blockwise_")}
+                  - {"blockwise_alibi"})
+  against_alibi = lambda field, name: report.ratio(  # noqa: E731
+      get(field, name, 4096), get(field, "blockwise_alibi", 4096))
+  bias_lines = [
+      "score biases against blockwise_alibi at 4096, temp memory <= 2x: " + report.verdicts_over(
+          {name: against_alibi("temp_bytes", name) for name in biases}, 2),
+      "score biases against blockwise_alibi at 4096, fwd+bwd time <= 1.5x: " +
+      report.verdicts_over({name: against_alibi("time_ms", name) for name in biases}, 1.5),
+      "score biases' temp memory growth 8192/1024 <= 10x: " + report.verdicts_over(
+          {name: report.ratio(get("temp_bytes", name, 8192), get("temp_bytes", name, 1024))
+           for name in biases}, 10)] if biases else []
   lines = [
       f"blockwise temp memory 8192/1024 = {f(blockwise_growth)} (target <= 10x; xla = "
       f"{f(xla_growth)}): {report.verdict(blockwise_growth, 10)}",

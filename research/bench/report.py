@@ -111,7 +111,8 @@ def verdicts_over(values, target, at_most=True):
   text = f"met by {len(measured) - len(missed)} of {len(values)}"
   if measured:
     low, high = min(measured, key=measured.get), max(measured, key=measured.get)
-    text += f" ({low} {fmt_ratio(measured[low])} to {high} {fmt_ratio(measured[high])})"
+    text += (f" ({low} {fmt_ratio(measured[low])})" if low == high else
+             f" ({low} {fmt_ratio(measured[low])} to {high} {fmt_ratio(measured[high])})")
   if missed:
     text += "; **missed** by " + ", ".join(f"{n} ({fmt_ratio(v)})" for n, v in missed.items())
   unmeasured = sorted(set(values) - set(measured))
@@ -163,9 +164,10 @@ def read_json(path):
   return saved["rows"], saved["metadata"]
 
 
-def body(suite, rows, meta, level=2):
-  """One run's markdown under a title: description, metadata, targets and tables, with headings
-  at `level` (a run's own file: 2; its section of BENCHMARKS.md: 3)."""
+def body(suite, rows, meta, level=2, max_tables=None):
+  """One run's markdown under a title: description, metadata, targets and tables (the first
+  `max_tables` of them, all by default), with headings at `level` (a run's own file: 2; its
+  section of BENCHMARKS.md: 3)."""
   heading = "#" * level
   when = meta["date"]
   if meta.get("commit"):
@@ -177,7 +179,7 @@ def body(suite, rows, meta, level=2):
            f"- jax: {meta['jax_version']}", f"- command: `{meta['command']}`", "",
            f"{heading} Targets (ratios from this run)", ""]
   parts += [f"- {line}" for line in suite.summary(rows)]
-  for title, table in suite.tables(rows):
+  for title, table in suite.tables(rows)[:max_tables]:
     parts += ["", f"{heading} {title}", "", table]
   return "\n".join(parts)
 
