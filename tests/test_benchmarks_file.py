@@ -70,12 +70,12 @@ def test_a_run_rewrites_its_block_and_figure_and_from_json_reproduces_them(tmp_p
   assert f"`python -m experiments.bench {' '.join(argv)}`" in block
   assert "### Targets (ratios from this run)" in block and "| linear |" in block
   assert "![mixers](docs/bench/mixers.png)" in block
-  assert "fwd+bwd time, ms (median)" in block and "compiled temp memory" not in block
+  assert "### fwd+bwd time, ms (median)" in block and "### compiled temp memory" not in block
   assert "Every table of this run: [docs/bench/mixers.md](docs/bench/mixers.md)" in block
   figure = tmp_path / "docs" / "bench" / "mixers.png"
   assert figure.read_bytes() == open(paths["png"], "rb").read()
   full = (tmp_path / "docs" / "bench" / "mixers.md").read_text()
-  assert full == open(paths["md"]).read() and "compiled temp memory" in full
+  assert full == open(paths["md"]).read() and "## compiled temp memory" in full
   figure.unlink()
   bench.main(["--suite=mixers", f"--workdir={workdir}", "--from_json", f"--benchmarks={path}"])
   assert path.read_text() == text and figure.exists()
