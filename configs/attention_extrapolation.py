@@ -4,7 +4,7 @@ FoX, ...) beside MHA with RoPE, with ALiBi and with CoPE, byte LM.
 
 Train at L = 128 bytes, evaluate perplexity at L..16L with non-overlapping and sliding windows
 (the protocol and presets of configs/lm_extrapolation.py). The sweep enumerates
-research.attention.REGISTRY: each mixer whose decode cache grows with the context (not
+research.model.attention.REGISTRY: each mixer whose decode cache grows with the context (not
 recurrent, `cache_bytes_per_token`) and is not a head-count variant of another (mqa, gqa) runs
 once, with RoPE where it applies a
 query/key scheme and with no position scheme otherwise (stick-breaking and FoX carry order in
@@ -24,8 +24,8 @@ Transformer's fixed pattern in strides of L/2 with summaries and tiles of L/8.
 
 from configs import base
 from configs import lm_extrapolation
-from research import attention
-from research import positions
+from research.model import attention
+from research.model import positions
 
 
 def get_config(preset="quick"):

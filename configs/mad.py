@@ -9,7 +9,7 @@ mad/analysis.py (score = per task setting, the best test accuracy over the lr x 
 per task, then over tasks).
 
   python -m experiments.run --config=configs/mad.py:full --workdir=runs/mad    (GPUs)
-      The protocol: 66 task settings x 6 (lr, wd) x every mixer of research.attention.REGISTRY
+      The protocol: 66 task settings x 6 (lr, wd) x every mixer of research.model.attention.REGISTRY
       (with RoPE where it takes it; MAD's attention is rotary over its 8-dim heads): 396 runs
       per mixer; steps = 200 epochs of ceil(examples / 128) batches (20,000 at 12,800 examples;
       400 for memorization's 256). Width 128, 2 layers, 16 heads (MAD's mh-attention).

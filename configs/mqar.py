@@ -1,8 +1,8 @@
 """Multi-query associative recall (Zoology, arXiv:2312.04927): recall against model width.
 
 Key-value pairs, then queries of earlier keys at power-law gaps; accuracy over the answers.
-Sweep (Zoology's Figure 2 axes): every mixer in research.attention.REGISTRY (with RoPE where it
-takes it; the quick preset leaves out mqa and gqa, registered as head-count variants of mha) x
+Sweep (Zoology's Figure 2 axes): every mixer in research.model.attention.REGISTRY (with RoPE where
+it takes it; the quick preset leaves out mqa and gqa, registered as head-count variants of mha) x
 model width x (sequence length, number of key-value pairs), evaluated at the training length;
 width.png draws accuracy against width, one panel per (length, pairs), with 95% bootstrap
 intervals. Published trend: attention near 1.0 at every width; linear attention and

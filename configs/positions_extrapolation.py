@@ -2,7 +2,7 @@
 
 Train at L = 128 bytes, evaluate perplexity at L..16L with non-overlapping and sliding windows
 (the protocol of configs/lm_extrapolation.py, whose presets this file starts from). The sweep
-enumerates research.positions.REGISTRY, so a new scheme joins it with no edit here, plus
+enumerates research.model.positions.REGISTRY, so a new scheme joins it with no edit here, plus
 randomized positions (arXiv:2305.16843, model.randomize_max_length = 16L) over RoPE and learned
 positions.
 
@@ -14,7 +14,7 @@ positions.
 
 from configs import base
 from configs import lm_extrapolation
-from research import positions
+from research.model import positions
 
 RANDOMIZED = ("rope", "learned")  # schemes also run with randomized training positions
 

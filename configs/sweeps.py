@@ -1,7 +1,7 @@
 """Sweep axes read from the registries, so that a new variant joins every sweep with no edit."""
 
-from research import attention
-from research import model as model_lib
+from research.model import attention
+from research.model import transformer as model_lib
 
 
 def every_variant() -> list[tuple[str, str]]:

@@ -13,7 +13,7 @@ Lengths count input tokens; an example of n symbols takes about 2n + 1 of them.
 """
 
 from configs import base
-from research import positions
+from research.model import positions
 
 TASKS = ("copy", "reverse", "sort", "induction")
 # MHA with every registered position scheme, plus the recurrent and linear mixers.

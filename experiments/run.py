@@ -22,7 +22,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from experiments import cli
-from research import flops
+from research.model import flops
 from research.results import report
 from research.results import sweep
 

@@ -1,3 +1,3 @@
 """A JAX/Flax NNX lab for attention variants and length extrapolation."""
 
-from research.model import build_model, count_params
+from research.model.transformer import build_model, count_params

@@ -21,18 +21,18 @@ def get_config():
 
   config.model = ml_collections.ConfigDict()
   m = config.model
-  m.attention = "mha"  # research.attention.REGISTRY (python -m experiments.variants lists them)
-  m.position = "rope"  # research.positions.REGISTRY
+  m.attention = "mha"  # research.model.attention.REGISTRY (`python -m experiments.variants`)
+  m.position = "rope"  # research.model.positions.REGISTRY
   m.layer_pattern = ()  # hybrids, e.g. ("mamba", "mamba", "mha"), tiled to num_layers
   m.num_layers = 2
   m.d_model = 128
   m.num_heads = 4
   m.num_kv_heads = 4  # gqa only; mha uses num_heads, mqa uses 1
-  m.feed_forward = "mlp"  # research.feed_forward.REGISTRY: mlp | moe (mixture of experts)
+  m.feed_forward = "mlp"  # research.model.feed_forward.REGISTRY: mlp | moe (mixture of experts)
   m.feed_forward_pattern = ()  # per layer, tiled to num_layers: Jamba's ("mlp", "moe")
   m.mlp_ratio = 4  # hidden width / d_model of the MLP and of each expert; 0 drops the feed-forward
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
-  m.norm = "rms_norm"  # research.norms.REGISTRY: rms_norm | layer_norm (settings: model.<norm>)
+  m.norm = "rms_norm"  # research.model.norms.REGISTRY: rms_norm | layer_norm (model.<norm>)
   m.tie_embeddings = False  # the output head is the embedding table transposed (GPT-2, Llama 3.2)
   # softmax attention: auto (by length and device) | xla | blockwise | cudnn
   m.attention_backend = "auto"
@@ -117,7 +117,7 @@ def get_config():
   e.num_tokens = 16384  # scored tokens per (length, mode), taken from the same text
   e.batch_size = 8
   # Extra rows for runs with a rotary scheme, each scaling at s = eval length / train length:
-  # any of research.positions.SCALINGS, e.g. ("pi", "static_ntk", "dynamic_ntk", "yarn").
+  # any of research.model.positions.SCALINGS, e.g. ("pi", "static_ntk", "dynamic_ntk", "yarn").
   e.rope_scalings = ()
   e.depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle tasks: where the needle sits, 0 first, 1 last
   e.bootstrap_samples = 1000  # resamples of the 95% intervals over windows / examples

@@ -9,10 +9,10 @@ import os
 import re
 import sys
 
-from research import attention
-from research import feed_forward
-from research import norms
-from research import positions
+from research.model import attention
+from research.model import feed_forward
+from research.model import norms
+from research.model import positions
 
 REGISTRIES = (attention.REGISTRY, positions.REGISTRY, feed_forward.REGISTRY, norms.REGISTRY)
 
@@ -66,7 +66,7 @@ def markdown_tables(model_config) -> dict[str, str]:
   `<!-- generated:NAME -->` markers, computed from the registries at `model_config`'s sizes
   (`python -m experiments.variants --write` rewrites them; tests/test_docs.py checks them)."""
   from flax import nnx  # noqa: PLC0415 (the model only when tables are drawn)
-  from research import model as model_lib  # noqa: PLC0415
+  from research.model import transformer as model_lib  # noqa: PLC0415
 
   def build(**fields):
     config = model_config.copy_and_resolve_references()

@@ -16,7 +16,7 @@ from absl import app
 from flax import nnx
 
 from experiments import bench
-from research import model as model_lib
+from research.model import transformer as model_lib
 from research.bench import decode
 from research.bench import mixers
 from research.bench import peers

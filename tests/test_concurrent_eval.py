@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import model as model_lib
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import sharding
 from research.evaluation import extrapolation
 from research.evaluation import results as eval_results
 from research.runs import checkpoints

@@ -1,13 +1,13 @@
 """Conformance suite: every registered attention type x compatible position x CPU backend, and
 every feed-forward.
 
-Adding a variant to research.attention.REGISTRY (or a scheme to research.positions.REGISTRY)
-adds it here: shapes and dtypes, causality, finite gradients, prefill in chunks then decode ==
-full forward (state carried across chunks), a packed row of documents == each document alone,
-and the same logits under an 8-device mesh with the sharding rules (for each mixer, each scheme
-and each feed-forward: what sharding depends on). Softmax attention also runs
-with a sliding window and sinks (the rolling decode cache). Each feed-forward besides the MLP
-(research.feed_forward.REGISTRY) runs once, with the first mixer.
+Adding a variant to research.model.attention.REGISTRY (or a scheme to
+research.model.positions.REGISTRY) adds it here: shapes and dtypes, causality, finite gradients,
+prefill in chunks then decode == full forward (state carried across chunks), a packed row of
+documents == each document alone, and the same logits under an 8-device mesh with the sharding rules
+(for each mixer, each scheme and each feed-forward: what sharding depends on). Softmax attention
+also runs with a sliding window and sinks (the rolling decode cache). Each feed-forward besides the
+MLP (research.model.feed_forward.REGISTRY) runs once, with the first mixer.
 """
 
 import functools
@@ -19,9 +19,11 @@ import pytest
 from flax import nnx
 
 import research
-from research import attention, model as model_lib, positions, sharding
-from research.attention import core
-from research import feed_forward as feed_forward_lib
+from research.model import attention, positions
+from research.model import transformer as model_lib
+from research.model import sharding
+from research.model.attention import core
+from research.model import feed_forward as feed_forward_lib
 from tests.conftest import tiny_model_config
 
 # Not multiples of the block / chunk size 8; the second chunk (6 tokens, written at index 6) is
@@ -58,7 +60,7 @@ def _applied_positions(index, mixer_cls):
 
 def _backends_for(position, backends):
   """The mixer's backends that run the scheme: a contextual one (CoPE) needs whole rows of
-  logits, which blockwise does not give (research.attention.core.CONTEXTUAL_BACKENDS)."""
+  logits, which blockwise does not give (research.model.attention.core.CONTEXTUAL_BACKENDS)."""
   if positions.CONTEXT not in positions.REGISTRY[position].hooks():
     return backends
   return [b for b in backends if b in core.CONTEXTUAL_BACKENDS]
@@ -291,8 +293,8 @@ def test_every_registered_name_is_covered():
 def test_every_scheme_a_mixer_applies_builds_and_traces(name):
   """Each pair of a mixer and a scheme whose hooks it applies that the tests above do not run
   builds, and its forward over packed rows and a decode step trace to the right shapes (no
-  compile): a scheme is told the mixer's geometry (research/positions/base.py), and a pair that
-  cannot run must be refused when the model is built, not fail inside a trace."""
+  compile): a scheme is told the mixer's geometry (research/model/positions/base.py), and a pair
+  that cannot run must be refused when the model is built, not fail inside a trace."""
   index = list(attention.REGISTRY).index(name)
   run = {v.values[1] for v in VARIANTS if v.values[0] == name}
   for position in _applied_positions(index, attention.REGISTRY[name]):

@@ -1,5 +1,5 @@
-"""BaseConv and Hyena (research/attention/baseconv.py, hyena.py) against naive float32 references
-written from zoology's code (HazyResearch/zoology@d88d6f5, zoology/mixers/base_conv.py,
+"""BaseConv and Hyena (research/model/attention/baseconv.py, hyena.py) against naive float32
+references written from zoology's code (HazyResearch/zoology@d88d6f5, zoology/mixers/base_conv.py,
 convolution.py, hyena.py): the filter's inputs tap by tap (the reference's tables below l_max),
 the convolutions as direct causal sums. The mixers run their FFT form here and their decode
 cache past l_max; the conformance suite runs their masked Toeplitz form (packed documents equal

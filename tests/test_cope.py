@@ -1,4 +1,4 @@
-"""CoPE (research/positions/cope.py) on mha against a naive float32 port of
+"""CoPE (research/model/positions/cope.py) on mha against a naive float32 port of
 ContextPosSelfAttn.forward (facebookresearch/RAM@e6f051f, projects/cope/src/cope/
 context_position.py, its defaults: gates from the attention keys, the position logits added
 before the division by sqrt(d)), one head at a time with a multiplicative mask as the reference
@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import research
-from research import attention, positions
+from research.model import attention, positions
 from tests.conftest import tiny_model_config
 from tests.test_kernels import SEGMENTS_37, _normal
 

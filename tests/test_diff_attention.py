@@ -1,4 +1,4 @@
-"""Differential attention (research/attention/diff.py) against a naive float32 port of the
+"""Differential attention (research/model/attention/diff.py) against a naive float32 port of the
 authors' forward, microsoft/unilm@768a3c8, Diff-Transformer/multihead_diffattn.py
 (MultiheadDiffAttn.forward, repeat_kv, lambda_init_fn): the projections viewed as 2N query and
 key heads of d and N value heads of 2d, materialised softmax maps with an explicit mask (their
@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 import research
-from research import attention, positions
-from research import model as model_lib
-from research.attention import diff, masks
+from research.model import attention, positions
+from research.model import transformer as model_lib
+from research.model.attention import diff, masks
 from tests.conftest import tiny_model_config
 from tests.test_kernels import SEGMENTS_37, _normal, _visible
 

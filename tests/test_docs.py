@@ -3,7 +3,8 @@
 
 import os
 
-from research import attention, defaults, positions, variants
+from research import defaults, variants
+from research.model import attention, positions
 
 
 def test_generated_tables_in_the_docs_are_current():

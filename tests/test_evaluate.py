@@ -11,8 +11,8 @@ from flax import nnx
 
 from research.evaluation import bootstrap
 from research.evaluation import evaluate
-from research import model as model_lib
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import sharding
 
 
 def test_bootstrap_matches_the_normal_approximation_of_a_proportion():

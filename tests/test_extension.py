@@ -14,13 +14,13 @@ import pytest
 from flax import nnx
 
 import research
-from research import attention, positions
+from research.model import attention, positions
 from tests import test_conformance
 from tests.conftest import tiny_model_config
 
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
-REGISTRIES = {"research/attention/__init__.py": attention.REGISTRY,
-              "research/positions/__init__.py": positions.REGISTRY}
+REGISTRIES = {"research/model/attention/__init__.py": attention.REGISTRY,
+              "research/model/positions/__init__.py": positions.REGISTRY}
 
 
 def _readme_blocks():

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 import research
-from research import feed_forward
+from research.model import feed_forward
 from research.training import loop as train
-from research.feed_forward import moe
+from research.model.feed_forward import moe
 from tests.conftest import tiny_model_config
 
 EXPERTS, TOP_K = 4, 2
@@ -121,7 +121,7 @@ def test_a_token_uses_its_top_k_experts_parameters():
 def test_swiglu_is_the_gated_mlp_of_mad_lab_with_its_width_rule():
   """y = W_down (silu(x W_gate) * x W_up), checked in numpy; hidden 0 gives mad-lab's
   int(2 * 4 * D / 3) rounded up to 16 (352 at D = 128), an explicit hidden is kept."""
-  from research.feed_forward import swiglu  # noqa: PLC0415
+  from research.model.feed_forward import swiglu  # noqa: PLC0415
   rule = lambda d, **s: swiglu.SwiGLU.hidden_width(
       {"hidden": 0, "multiple_of": 16, **s}, tiny_model_config(d_model=d, mlp_ratio=4))
   assert (rule(128), rule(64), rule(32, hidden=50)) == (352, 176, 50)

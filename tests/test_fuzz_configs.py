@@ -17,11 +17,11 @@ import random
 import hypothesis
 from hypothesis import strategies as st
 
-from research import attention
+from research.model import attention
 from research import defaults
-from research import feed_forward
-from research import model as model_lib
-from research import positions
+from research.model import feed_forward
+from research.model import transformer as model_lib
+from research.model import positions
 from research.results import sweep
 from research.runs import unread
 from research.training import checks

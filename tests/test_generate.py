@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from research.evaluation import generate
-from research import model as model_lib
+from research.model import transformer as model_lib
 from tests.conftest import tiny_model_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""research.feed_forward.grouped_matmul against jax.lax.ragged_dot (the function it computes),
+"""research.model.feed_forward.grouped_matmul against jax.lax.ragged_dot (the function it computes),
 in float32: outputs and gradients w.r.t. the rows and every group's matrix, with empty groups
 (first, between others, last), a group spanning several blocks, and rows past the groups."""
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from research.feed_forward import grouped_matmul
+from research.model.feed_forward import grouped_matmul
 
 CASES = {
     "uneven": [5, 0, 9, 3],  # an empty group between others; 17 of 19 rows: two past the groups

@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 
 from research.analysis import heads
-from research import model as model_lib
-from research import positions
-from research.attention import masks
+from research.model import transformer as model_lib
+from research.model import positions
+from research.model.attention import masks
 from tests.conftest import tiny_model_config
 
 

@@ -1,4 +1,4 @@
-"""Fast paths against their naive float32 references (research.attention.reference)."""
+"""Fast paths against their naive float32 references (research.model.attention.reference)."""
 
 import functools
 
@@ -9,18 +9,18 @@ import pytest
 
 from flax import nnx
 
-from research import attention, positions
-from research.attention import fox
-from research.attention import reference
-from research.attention import core
-from research.attention.gated_deltanet import (chunked_gated_delta_rule, invert_unit_lower,
+from research.model import attention, positions
+from research.model.attention import fox
+from research.model.attention import reference
+from research.model.attention import core
+from research.model.attention.gated_deltanet import (chunked_gated_delta_rule, invert_unit_lower,
                                                l2_normalize)
-from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
-from research.attention.mamba2 import chunked_ssd
-from research.attention.retention import chunked_retention
-from research.attention.rwkv6 import chunked_rwkv6
-from research.attention.ssm import SCANS, chunked_selective_scan
-from research.positions import alibi_slopes
+from research.model.attention.linear import FEATURE_MAPS, chunked_linear_attention
+from research.model.attention.mamba2 import chunked_ssd
+from research.model.attention.retention import chunked_retention
+from research.model.attention.rwkv6 import chunked_rwkv6
+from research.model.attention.ssm import SCANS, chunked_selective_scan
+from research.model.positions import alibi_slopes
 from tests.conftest import tiny_model_config
 
 
@@ -175,7 +175,8 @@ def test_associative_reference_equals_sequential_reference():
 
 
 def _document_index(segments_row):
-  """Index of each token within its document, by a loop (independent of research.attention.masks)."""
+  """Index of each token within its document, by a loop (independent of
+  research.model.attention.masks)."""
   index, count = [], 0
   for t, segment in enumerate(segments_row):
     count = 0 if t and segment != segments_row[t - 1] else count + (t > 0)

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (research/attention/mla.py) against a naive float32 port of
+"""Multi-head latent attention (research/model/attention/mla.py) against a naive float32 port of
 DeepseekV2Attention.forward (huggingface/transformers@03eac6f, modeling_deepseek_v2.py: their
 [nope, pe] head layout, one kv_b_proj, explicit per-head keys and values, the materialised
 softmax), outputs and gradients w.r.t. the input and every parameter, with the lab's position
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import attention, model as model_lib, nn, positions
+from research.model import attention, nn, positions
+from research.model import transformer as model_lib
 from tests.conftest import tiny_model_config
 from tests.test_kernels import SEGMENTS_37, _normal
 

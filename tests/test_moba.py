@@ -1,4 +1,4 @@
-"""MoBA (research/attention/moba.py) against a float32 port of the authors' reference,
+"""MoBA (research/model/attention/moba.py) against a float32 port of the authors' reference,
 MoonshotAI/MoBA@61e456b moba/moba_naive.py `moba_attn_varlen_naive` (per sequence of cu_seqlens:
 block-mean gates, the own block at +inf and later blocks at -inf, top-k, one masked softmax),
 with key/value heads repeated to the query heads as their moba/wrapper.py `moba_layer` does:
@@ -15,8 +15,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from research.attention import core
-from research.attention import moba
+from research.model.attention import core
+from research.model.attention import moba
 from tests.conftest import tiny_model_config
 from tests.test_kernels import _mixer, _normal, _outputs_and_gradients
 

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 import research
-from research import attention
-from research import nn
+from research.model import attention
+from research.model import nn
 from tests.conftest import tiny_model_config
 
 
@@ -138,8 +138,8 @@ def test_bad_model_config_fails_at_build_time(overrides, message):
 
 
 def test_auto_backend_picks_by_length_scores_and_device():
-  from research.attention.core import AUTO_BLOCKWISE_FROM, AUTO_BLOCKWISE_SCORES_BYTES
-  from research.attention.core import auto_backend
+  from research.model.attention.core import AUTO_BLOCKWISE_FROM, AUTO_BLOCKWISE_SCORES_BYTES
+  from research.model.attention.core import auto_backend
   mha, fox = attention.MHA.backends, attention.ForgettingAttention.backends
   assert auto_backend(AUTO_BLOCKWISE_FROM - 1, mha, jnp.float32, "cpu") == "xla"
   assert auto_backend(AUTO_BLOCKWISE_FROM, mha, jnp.float32, "cpu") == "blockwise"
@@ -185,7 +185,7 @@ def test_bfloat16_compute_keeps_float32_parameters_and_logits(name):
 
 @pytest.mark.parametrize("bias", ["none", "qkv"])
 def test_mha_to_gqa_mean_pools_key_and_value_heads(bias):
-  from research.attention.convert import mha_to_gqa
+  from research.model.attention.convert import mha_to_gqa
 
   softmax = dict(projection_bias=bias)
   mha_config = tiny_model_config(attention="mha", position="rope", softmax=softmax)

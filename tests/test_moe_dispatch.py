@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import feed_forward
-from research import sharding
-from research.feed_forward import base, moe
+from research.model import feed_forward
+from research.model import sharding
+from research.model.feed_forward import base, moe
 from tests.conftest import tiny_model_config
 
 EXPERTS, D_MODEL = 4, 32  # tiny_model_config: 4 experts, d_model 32, mlp_ratio 2

@@ -1,4 +1,4 @@
-"""NSA (research/attention/nsa.py) against a float32 port of the authors' reference,
+"""NSA (research/model/attention/nsa.py) against a float32 port of the authors' reference,
 fla-org/native-sparse-attention@bd67af5 native_sparse_attention/ops/naive.py
 `naive_nsa_with_compression` (mean-pooled blocks, compressed attention over the complete ones,
 top-n blocks by the group-summed probabilities with the own block at 1.0, one softmax over the
@@ -18,7 +18,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from research.attention import nsa
+from research.model.attention import nsa
 from tests.conftest import tiny_model_config
 from tests.test_kernels import _mixer, _normal, _outputs_and_gradients
 

@@ -1,6 +1,6 @@
-"""The `pallas` attention backend (research.attention.pallas_backend: JAX's Pallas FlashAttention
-kernel) against `xla` and the naive float32 reference, in Pallas' interpret mode on the CPU:
-forward and backward, grouped heads, packed documents, a length the kernel's blocks do not
+"""The `pallas` attention backend (research.model.attention.pallas_backend: JAX's Pallas
+FlashAttention kernel) against `xla` and the naive float32 reference, in Pallas' interpret mode on
+the CPU: forward and backward, grouped heads, packed documents, a length the kernel's blocks do not
 divide; and what it refuses, by name, before any work."""
 
 import jax
@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 import research
-from research import model as model_lib
-from research.attention import core
-from research.attention import reference
+from research.model import transformer as model_lib
+from research.model.attention import core
+from research.model.attention import reference
 from tests.conftest import tiny_model_config
 
 

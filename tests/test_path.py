@@ -1,4 +1,4 @@
-"""PaTH attention (research/attention/path.py) against ports of the authors' reference (numpy
+"""PaTH attention (research/model/attention/path.py) against ports of the authors' reference (numpy
 float64 for the scores, jnp float32 for the layer),
 fla-org/flash-linear-attention@bc3b101: fla/ops/path_attn/naive.py `naive_path_attn` (its
 chunked WY logits, ported in numpy, against the explicit products q_i^T H_i ... H_{j+1} k_j and
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import model as model_lib
-from research.attention import path
+from research.model import transformer as model_lib
+from research.model.attention import path
 from tests.conftest import tiny_model_config
 from tests.test_kernels import SEGMENTS_37, _assert_mixer_equals_naive, _mixer, _normal
 

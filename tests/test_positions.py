@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 import research
-from research import positions
-from research.positions import alibi_slopes, rope
+from research.model import positions
+from research.model.positions import alibi_slopes, rope
 from tests.conftest import tiny_model_config
 
 D_MODEL, HEADS = 32, 2  # head_dim 16
@@ -235,7 +235,7 @@ def test_learned_positions_look_up_their_table_and_refuse_lengths_beyond_it():
   config = tiny_model_config(position="learned", learned=dict(max_length=64))
   with pytest.raises(ValueError, match=r"eval.lengths = 128 exceeds the 64 positions of the "
                                        r"'learned' table \(model.learned.max_length\)"):
-    research.model.validate_lengths(config, 32, (32, 128))
+    research.model.transformer.validate_lengths(config, 32, (32, 128))
 
 
 def test_randomized_training_positions_are_sorted_distinct_and_seeded():
@@ -283,7 +283,7 @@ def test_unknown_scheme_field_is_refused():
 
 def test_registry_settings_keys_do_not_collide_and_reach_the_base_config():
   from configs import base
-  attention_settings = research.attention.REGISTRY.default_settings()
+  attention_settings = research.model.attention.REGISTRY.default_settings()
   position_settings = positions.REGISTRY.default_settings()
   assert not set(attention_settings) & set(position_settings)
   model = base.get_config().model

@@ -298,7 +298,7 @@ def test_an_imported_run_is_fine_tuned_from_its_parameters(bpe_run, tmp_path):
 def test_a_lab_run_exports_to_a_checkpoint_transformers_computes_alike(tmp_path, model):
   from flax import nnx  # noqa: PLC0415
   from research import defaults  # noqa: PLC0415
-  from research import model as model_lib  # noqa: PLC0415
+  from research.model import transformer as model_lib  # noqa: PLC0415
   config = defaults.get_config()
   config.model.update(attention=model["attention"], num_kv_heads=model["num_kv_heads"],
                       num_layers=2, d_model=32, num_heads=4, vocab_size=VOCAB,

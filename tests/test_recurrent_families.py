@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from research.attention import reference
-from research.attention import vector_decay
+from research.model.attention import reference
+from research.model.attention import vector_decay
 from tests.test_kernels import (SEGMENTS_37, _assert_mixer_equals_naive,
                                 _assert_same_outputs_and_input_gradients, _mixer, _normal,
                                 _recurrence_per_document)

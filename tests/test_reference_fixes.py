@@ -22,12 +22,12 @@ import pytest
 from flax import nnx
 
 import research
-from research import feed_forward
-from research import positions
-from research.attention import retention
-from research.feed_forward import base as feed_forward_base
-from research.feed_forward import moe
-from research.positions import kerple
+from research.model import feed_forward
+from research.model import positions
+from research.model.attention import retention
+from research.model.feed_forward import base as feed_forward_base
+from research.model.feed_forward import moe
+from research.model.positions import kerple
 from research.training import loop as train
 from tests.conftest import tiny_model_config
 
@@ -143,7 +143,7 @@ def test_rope_frequencies_are_an_explicit_choice_and_other_mixers_keep_ropes():
       tiny_model_config(attention="mha", position="rope"), rngs=nnx.Rngs(0))).blocks[0].mixer
   np.testing.assert_allclose(mha.position.inverse_frequencies(), rope_theta, rtol=1e-6)
   with pytest.raises(ValueError, match="model.retention.rotary_frequencies='xpos'; valid: rope"):
-    research.model.validate(tiny_model_config(attention="retention", position="rope",
+    research.model.transformer.validate(tiny_model_config(attention="retention", position="rope",
                                               retention=dict(rotary_frequencies="xpos")))
 
 
@@ -176,7 +176,8 @@ def test_retention_output_projection_is_xavier_uniform_with_gain_one_half():
   """reset_parameters: xavier_uniform_(out_proj.weight, gain=2 ** -1), weight [d_model,
   value_dim]: bound = gain sqrt(6 / (fan_in + fan_out)), std = bound / sqrt(3)."""
   config = tiny_model_config(attention="retention", position="none", d_model=64, num_heads=4)
-  mixer = retention.Retention(research.attention.REGISTRY.settings("retention", config), config,
+  settings = research.model.attention.REGISTRY.settings("retention", config)
+  mixer = retention.Retention(settings, config,
                               positions.build(config, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(0))
   kernel = np.asarray(mixer.out.kernel[...])
   assert kernel.shape == (4, 16, 64)

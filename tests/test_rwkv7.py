@@ -1,7 +1,7 @@
-"""RWKV-7 (research/attention/rwkv7.py, research/feed_forward/rwkv7_channel_mix.py) against fp32
-ports of the authors' code (BlinkDL/RWKV-LM@524481d, RWKV-v7/train_temp/src/model.py: the "slow
-pytorch version" of RWKV_Tmix_x070 and RWKV_CMix_x070; RWKV-v7/rwkv_v7_demo.py: RWKV7_OP, the
-recurrence token by token in the reference's orientation, state [values, keys]): outputs and
+"""RWKV-7 (research/model/attention/rwkv7.py, research/model/feed_forward/rwkv7_channel_mix.py)
+against fp32 ports of the authors' code (BlinkDL/RWKV-LM@524481d, RWKV-v7/train_temp/src/model.py:
+the "slow pytorch version" of RWKV_Tmix_x070 and RWKV_CMix_x070; RWKV-v7/rwkv_v7_demo.py: RWKV7_OP,
+the recurrence token by token in the reference's orientation, state [values, keys]): outputs and
 gradients w.r.t. the input and every parameter, on packed documents. The conformance suite
 covers causality, decode, packed documents and sharding for the mixer as for every mixer."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research.attention import rwkv7
-from research.feed_forward.rwkv7_channel_mix import RWKV7ChannelMix
+from research.model.attention import rwkv7
+from research.model.feed_forward.rwkv7_channel_mix import RWKV7ChannelMix
 from tests.conftest import tiny_model_config
 from tests.test_kernels import _normal, _outputs_and_gradients
 
@@ -236,7 +236,7 @@ def test_a_model_with_the_value_residual_decodes_as_its_forward_pass():
   """Three RWKV-7 layers (the carry from layer 0 to 1 and 2): token-by-token decoding and a
   prefill then decode give the logits of the full forward; in a hybrid the first RWKV-7 layer
   plays layer 0."""
-  from research import model as model_lib  # noqa: PLC0415
+  from research.model import transformer as model_lib  # noqa: PLC0415
   config = tiny_model_config(attention="rwkv7", position="none", num_layers=3)
   model = model_lib.build_model(config, rngs=nnx.Rngs(0))
   assert [block.mixer.value_residual for block in model.blocks] == [False, True, True]

@@ -1,4 +1,4 @@
-"""RWKV's channel mixing (research/feed_forward/rwkv_channel_mix.py) against a token-by-token
+"""RWKV's channel mixing (research/model/feed_forward/rwkv_channel_mix.py) against a token-by-token
 reference, with packed documents, and its decode against the full forward."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research.feed_forward.rwkv_channel_mix import RWKVChannelMix
+from research.model.feed_forward.rwkv_channel_mix import RWKVChannelMix
 from tests.conftest import tiny_model_config
 
 SEGMENTS = jnp.array([[0] * 4 + [1] * 9, [0] * 13, [0] + [1] * 12])

@@ -1,5 +1,5 @@
-"""The `sparse` mixer (research/attention/sparse.py) against references written from the authors'
-code (openai/sparse_attention@c53f3bd, attention.py: get_attn_mask, get_blocksparse_obj,
+"""The `sparse` mixer (research/model/attention/sparse.py) against references written from the
+authors' code (openai/sparse_attention@c53f3bd, attention.py: get_attn_mask, get_blocksparse_obj,
 get_callback, attention_impl) and the papers' definitions: the patterns element by element, the
 mixer's outputs and gradients (the input and every parameter) against naive float32 attention
 with that mask (fixed: xla and blockwise, with and without packed documents; strided and
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import attention
-from research.attention import masks
-from research.attention import sparse
+from research.model import attention
+from research.model.attention import masks
+from research.model.attention import sparse
 from tests.conftest import tiny_model_config
 from tests.test_kernels import SEGMENTS_37, _document_index, _mixer, _normal
 
@@ -28,7 +28,7 @@ SETTINGS = {name: {**sparse.SparseAttention.hyperparameters, **fields} for name,
     ("local_global", dict(pattern="local_global", window=6, global_tokens=3, block_size=BLOCK))]}
 
 
-# The patterns, written independently of research/attention/sparse.py and masks.py.
+# The patterns, written independently of research/model/attention/sparse.py and masks.py.
 
 def _authors_strided(n, stride):
   """get_attn_mask's "local" (a band of `stride` keys) or its "strided" mask, the union."""

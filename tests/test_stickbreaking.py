@@ -1,4 +1,4 @@
-"""Stick-breaking attention (research/attention/stickbreaking.py and stick_breaking_kernel.py)
+"""Stick-breaking attention (research/model/attention/stickbreaking.py and stick_breaking_kernel.py)
 against float32 ports of the authors' references: shawntan/stickbreaking-attention@3147a38,
 stickbreaking_attention/sb_ref.py `stickbreaking` (with tests/test_attn.py's masks and
 tests/test_varlen.py's one call per document), and IBM/dolomite-engine@d0ee186's
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from research import attention
-from research import model as model_lib
-from research.attention import core
-from research.attention import stick_breaking_kernel
+from research.model import attention
+from research.model import transformer as model_lib
+from research.model.attention import core
+from research.model.attention import stick_breaking_kernel
 from tests.conftest import tiny_model_config
 from tests.test_kernels import (SEGMENTS_37, _assert_mixer_equals_naive, _mixer, _normal,
                                 _per_document)

@@ -27,10 +27,10 @@ import pytest
 from flax import nnx
 
 import research
-from research import positions as positions_lib
-from research.attention import core, masks
-from research.attention.softmax import SINK_POSITIONS
-from research.positions import alibi_slopes
+from research.model import positions as positions_lib
+from research.model.attention import core, masks
+from research.model.attention.softmax import SINK_POSITIONS
+from research.model.positions import alibi_slopes
 from tests.conftest import tiny_model_config
 
 BATCH = 2
@@ -325,7 +325,7 @@ def test_original_positions_are_the_code_before_the_setting(backend):
 
 
 def test_sink_positions_is_validated_and_defaults_to_cache():
-  from research.attention.softmax import SoftmaxAttention  # noqa: PLC0415
+  from research.model.attention.softmax import SoftmaxAttention  # noqa: PLC0415
   assert SoftmaxAttention.hyperparameters["sink_positions"] == "cache"
   assert SINK_POSITIONS == ("cache", "original")
   config = _config("rope", mode="slots")

@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from research import attention
+from research.model import attention
 from research import data
 from research.evaluation import results as eval_results
 from research.results import report
@@ -341,7 +341,7 @@ def test_members_run_at_once_share_an_accelerators_memory():
 def test_members_run_at_once_report_mfu_against_the_peak_measured_before_them(monkeypatch):
   """experiments.run --parallel=N passes the peak it measured to the members: measured by each
   while the others run, it would be a share of the machine's, and their MFU inflated."""
-  from research import flops  # noqa: PLC0415
+  from research.model import flops  # noqa: PLC0415
   monkeypatch.setenv(flops.PEAK_ENV, "1.5e11")
   assert flops.total_peak_flops.__wrapped__() == 1.5e11
 

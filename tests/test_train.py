@@ -24,8 +24,8 @@ from research import data
 from research.evaluation import extrapolation
 from research.evaluation import generate
 from research.training import init_from
-from research import model as model_lib
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import sharding
 from research.results import sweep
 from research.training import loop as train
 from research.runs import lock as workdir_lock

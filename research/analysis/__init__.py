@@ -10,8 +10,8 @@ by name. Each is one file (a subclass of research.analysis.base.Analysis) and on
 Each writes RUN/analysis/<name>/ (figures, a tidy CSV, summary.md); over a sweep, every finished
 run's, then DIR/analysis/<name>/ compares the runs (research/analysis/analyze.py). Everything is
 computed with the xla softmax backend (the same function as the others, to rounding) in float32
-probabilities (research.attention.core.probabilities). The measures are research.analysis.heads,
-the figures research.analysis.plots.
+probabilities (research.model.attention.core.probabilities). The measures are
+research.analysis.heads, the figures research.analysis.plots.
 """
 
 from research.analysis.attention_maps import AttentionMaps
@@ -19,7 +19,7 @@ from research.analysis.explanation import Explanation
 from research.analysis.head_importance import HeadImportance
 from research.analysis.induction import Induction
 from research.analysis.uptraining import Uptraining
-from research.registry import Registry
+from research.model.registry import Registry
 
 REGISTRY = Registry("analysis", "--analysis")
 REGISTRY.register(AttentionMaps.name, AttentionMaps)

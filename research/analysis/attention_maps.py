@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from research import data
-from research import positions
+from research.model import positions
 from research.analysis import base
 from research.analysis import heads
 from research.analysis import plots as head_plots

@@ -9,10 +9,10 @@ import dataclasses
 import numpy as np
 from flax import nnx
 
-from research import attention
+from research.model import attention
 from research import data
 from research import defaults
-from research import model as model_lib
+from research.model import transformer as model_lib
 from research.analysis import heads
 
 

@@ -15,7 +15,7 @@ from research.analysis import base
 from research.analysis import heads
 from research.analysis import plots as head_plots
 from research.analysis import trained
-from research.attention import masks
+from research.model.attention import masks
 
 
 def _last_row_visible(config, batch: dict) -> np.ndarray:

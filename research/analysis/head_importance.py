@@ -12,7 +12,7 @@ from flax import nnx
 import numpy as np
 
 from research import data
-from research import model as model_lib
+from research.model import transformer as model_lib
 from research.analysis import base
 from research.analysis import heads
 from research.analysis import plots as head_plots

@@ -1,5 +1,5 @@
 """What attention heads do, measured from their attention probabilities P [B, N, T, S] (query i,
-key j; research.attention.softmax: `attention_weights`) and from the loss at each position.
+key j; research.model.attention.softmax: `attention_weights`) and from the loss at each position.
 
   induction score (Olsson et al., arXiv:2209.11895)   on [A; A], A = P random tokens:
       mean over b and the second copy's queries i in [P, 2P) of P[b, n, i, i - P + 1],

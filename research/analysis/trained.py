@@ -11,8 +11,8 @@ import optax
 from flax import nnx
 
 from research import data
-from research import model as model_lib
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import sharding
 from research.analysis import heads
 from research.evaluation import evaluate
 from research.evaluation import generate

@@ -9,8 +9,8 @@ import os
 
 from flax import nnx
 
-from research import attention
-from research import model as model_lib
+from research.model import attention
+from research.model import transformer as model_lib
 from research.analysis import base
 from research.analysis import plots as head_plots
 from research.analysis import trained

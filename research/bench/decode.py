@@ -18,7 +18,7 @@ from flax import nnx
 
 from research import defaults
 import research
-from research import attention
+from research.model import attention
 from research.bench import report
 from research.bench import timing
 

@@ -26,12 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research import defaults
-from research import positions
-from research.attention import reference
-from research.attention import core
-from research.attention.fox import forget_bias
-from research.attention.linear import FEATURE_MAPS, chunked_linear_attention
-from research.attention.ssm import chunked_selective_scan, scan_for_backend
+from research.model import positions
+from research.model.attention import reference
+from research.model.attention import core
+from research.model.attention.fox import forget_bias
+from research.model.attention.linear import FEATURE_MAPS, chunked_linear_attention
+from research.model.attention.ssm import chunked_selective_scan, scan_for_backend
 from research.bench import report
 from research.bench import timing
 
@@ -102,7 +102,7 @@ def _fox_shapes(length):
 
 def _blockwise_fox(q, k, v, gate_logits):
   """FoX's blockwise path: the forget-gate bias c_i - c_j of each tile from the cumulative log
-  gates c (research/attention/fox.py), differentiated through to the gate logits."""
+  gates c (research/model/attention/fox.py), differentiated through to the gate logits."""
   c_BxTxN = jnp.cumsum(jax.nn.log_sigmoid(gate_logits.astype(jnp.float32)), axis=1)
   return core.attend(q, k, v, inputs=c_BxTxN,
                      score_mod=core.ScoreMod(bias=lambda _, q_c, k_c: forget_bias(q_c, k_c)),

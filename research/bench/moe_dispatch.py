@@ -5,8 +5,8 @@
 Two measurements, float32, each jitted and timed as the median of interleaved repeats after a
 warm-up call of each (research.bench.timing.interleaved_seconds: a busy machine's drift falls on
 every dispatch alike), for model.moe.dispatch = dense, sorted (ragged_dot) and blocked
-(research/feed_forward/grouped_matmul.py):
-  layer  one MixtureOfExperts (research/feed_forward/moe.py) at d_model 512, mlp_ratio 4,
+(research/model/feed_forward/grouped_matmul.py):
+  layer  one MixtureOfExperts (research/model/feed_forward/moe.py) at d_model 512, mlp_ratio 4,
          16 experts, top-2, on 4096 tokens (batch 8 x length 512):
            loss = <layer(x), cotangent>,   jax.grad w.r.t. the parameters and x;
   model  a 2-layer language model (mha, rope, d_model 512, 8 heads, the moe feed-forward in both
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research import defaults
-from research import feed_forward
-from research import model as model_lib
+from research.model import feed_forward
+from research.model import transformer as model_lib
 from research.bench import report
 from research.bench import timing
-from research.feed_forward import moe
+from research.model.feed_forward import moe
 from research.training import loop as train_lib
 
 DISPATCHES = moe.DISPATCHES

@@ -42,9 +42,9 @@ of XLA's compile options, not a flag.
 Host devices: XLA:CPU runs a loop (blockwise attention's tiles, a scan) on one thread, whatever
 the pool, so the suite also starts n host devices (XLA_FLAGS' --xla_force_host_platform_device_
 count=n, unless set) in that same pool and adds the rows `... over n devices`: the training step
-data-parallel over a (data=n) mesh of research.sharding (as the training loop runs on n devices),
-and blockwise attention with its heads split over the devices (jax.shard_map). The single-device
-rows run on device 0 as before; the n-device rows use the same n cores, not more.
+data-parallel over a (data=n) mesh of research.model.sharding (as the training loop runs on n
+devices), and blockwise attention with its heads split over the devices (jax.shard_map). The
+single-device rows run on device 0 as before; the n-device rows use the same n cores, not more.
 
 Timing (timing.turns_seconds): after a warm-up call of each implementation of a case, rounds
 that take one sample of each in turn, each sample after an idle gap (Settings.idle_seconds) in
@@ -68,8 +68,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from research import model as model_lib
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import sharding
 from research.training import loop as train_lib
 from research.bench import decode as decode_bench
 from research.bench import mixers

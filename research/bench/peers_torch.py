@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 RMS_EPSILON = 1e-6  # nnx.RMSNorm's default, as the project's model uses it
-LINEAR_EPSILON = 1e-6  # research.attention.linear.EPSILON
+LINEAR_EPSILON = 1e-6  # research.model.attention.linear.EPSILON
 
 
 def rotate(x_BxTxNxH, cos_Tx1xF, sin_Tx1xF):

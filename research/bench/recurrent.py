@@ -1,6 +1,6 @@
 """Recurrent mixers: each one's chunked training form against its own token-by-token recurrence.
 
-Every mixer of research.attention.REGISTRY whose decode state does not grow with the context
+Every mixer of research.model.attention.REGISTRY whose decode state does not grow with the context
 (`cache_bytes` equal at two contexts: linear attention, retention, Mamba, and any recurrent
 mixer registered later) is built alone at the mixers suite's width (d_model 512, 8 heads,
 head_dim 64, batch 1, no positions) and run two ways on the same inputs:
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research import defaults
-from research import attention
-from research import model as model_lib
+from research.model import attention
+from research.model import transformer as model_lib
 from research.bench import mixers
 from research.bench import report
 from research.bench import timing

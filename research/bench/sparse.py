@@ -1,5 +1,5 @@
-"""Block-sparse attention (research/attention/sparse.py) and MoBA's routed blocks
-(research/attention/moba.py) against full causal attention, fwd + bwd: does the time fall with
+"""Block-sparse attention (research/model/attention/sparse.py) and MoBA's routed blocks
+(research/model/attention/moba.py) against full causal attention, fwd + bwd: does the time fall with
 the share of the keys attended?
 
   python -m research.bench.sparse [--length 8192] [--block-size 128] [--repeats 3]
@@ -21,7 +21,7 @@ visited tile (the loop, the schedule's gathers) weighs more as the tiles get few
 Routed attention (`--routed-lengths`): at each length, the same shapes through MoBA's efficient
 form (its `blockwise` backend: the gates, the top-k routing, the own block and the routed blocks'
 tiles, merged by log-sum-exp) at its defaults, blocks of 512 and top-3, and through NSA's three
-branches (research/attention/nsa.py `attend` on `blockwise`, gates 1, its output projection
+branches (research/model/attention/nsa.py `attend` on `blockwise`, gates 1, its output projection
 included) at its defaults, blocks of 64, 16 selected, a window of 512, against full causal
 blockwise attention; MoBA's share of the keys attended is about 3 x 512 / ((L + 1) / 2), NSA's
 about (16 x 64 + 512 + L / 64) / ((L + 1) / 2).
@@ -35,13 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from research import attention
+from research.model import attention
 from research import defaults
-from research import positions
-from research.attention import core
-from research.attention import masks
-from research.attention import moba
-from research.attention import sparse
+from research.model import positions
+from research.model.attention import core
+from research.model.attention import masks
+from research.model.attention import moba
+from research.model.attention import sparse
 from research.bench import report
 from research.bench import timing
 

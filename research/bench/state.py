@@ -10,7 +10,7 @@ Three parts, one run, every time a median of interleaved repeats (research.bench
            arXiv:2309.17453: a rolling buffer of sinks + window slots), at contexts 1K and 16K.
   prefill  one `model.prefill` of 4096 tokens against 4096 one-token `model.decode` steps (a
            jitted step per token, the cache donated, as research.evaluation.generate runs them) of
-           the same tokens, for every mixer in research.attention.REGISTRY with RoPE, or no
+           the same tokens, for every mixer in research.model.attention.REGISTRY with RoPE, or no
            positions where it cannot take them; the training suite's reference model (2
            layers, d_model 128, 4 heads, 2 key/value heads for gqa).
 A part that cannot run (say, a setting this code lacks) is recorded as skipped with its error.
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from research import attention
-from research import model as model_lib
-from research.attention import core
+from research.model import attention
+from research.model import transformer as model_lib
+from research.model.attention import core
 from research.bench import decode
 from research.bench import mixers
 from research.bench import report

@@ -4,8 +4,8 @@ For each variant at one reference model size (2 layers, d_model 128, 4 heads; th
 reference), tokens per second of the whole training loop (data, sharded jit step, metrics), read
 from its metrics.jsonl after compilation, and of a minimal hand-written Flax NNX step (nnx.jit,
 nnx.value_and_grad, nnx.Optimizer with the same optax chain) on the same batches. MFU =
-train FLOPs per token (research.flops) x tokens/s / peak, the peak being a large matmul measured
-in the same run on CPU (datasheet bf16 peak x devices on accelerators).
+train FLOPs per token (research.model.flops) x tokens/s / peak, the peak being a large matmul
+measured in the same run on CPU (datasheet bf16 peak x devices on accelerators).
 
 Packed documents: the same loop and model (PACKING_VARIANT, the shortest length) with
 data.packing = "concat" and "documents" (segment ids and per-document positions in every batch,
@@ -25,11 +25,11 @@ import optax
 from flax import nnx
 
 from research import defaults
-from research import attention
+from research.model import attention
 from research import data
-from research import flops
-from research import positions
-from research import model as model_lib
+from research.model import flops
+from research.model import positions
+from research.model import transformer as model_lib
 from research.training import loop as train_lib
 from research.bench import report
 

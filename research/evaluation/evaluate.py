@@ -35,7 +35,7 @@ from flax import nnx
 
 from research.evaluation import bootstrap
 from research import data
-from research import sharding
+from research.model import sharding
 
 def macro_accuracy(tp, support, predicted):
   """The module docstring's macro accuracy from class counts [..., V] (the last axis classes)."""

@@ -8,7 +8,7 @@ softmax attention, the fixed state of a recurrent mixer, over all layers). Needl
 with
 its `depth`, and a row without a depth that pools every depth's examples; all of them record the
 evaluated `depths`. Runs with a rotary scheme (rope, xpos, prope) get extra rows for each scaling
-in config.eval.rope_scalings (PI, static / dynamic NTK, YaRN; research.positions.rope) at
+in config.eval.rope_scalings (PI, static / dynamic NTK, YaRN; research.model.positions.rope) at
 s = max(1, eval_length / train_length): the same weights, a different scaling, evaluated with
 non-overlapping windows. Tasks have a single mode (exact answers).
 
@@ -32,12 +32,12 @@ from research.runs import checkpoints
 from research import data
 from research.evaluation import results as eval_results
 from research.evaluation import evaluate
-from research import model as model_lib
-from research import positions
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import positions
+from research.model import sharding
 from research.data import mad
 from research.data import validation
-from research.positions import rope
+from research.model.positions import rope
 
 
 def _variants(config):

@@ -31,9 +31,9 @@ from flax import nnx
 from research.runs import checkpoints
 from research.runs import config_fields
 from research import data
-from research import model as model_lib
-from research import positions
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import positions
+from research.model import sharding
 from research.runs import workdirs
 from research.data import tokenizer
 

@@ -22,7 +22,7 @@ from flax import nnx
 
 from research import data
 from research import defaults
-from research import model as model_lib
+from research.model import transformer as model_lib
 from research.evaluation import generate
 from research.pretrained import hf_config
 from research.pretrained import hf_weights

@@ -14,8 +14,8 @@ weights give the same logits; nothing else changes (values and outputs are not r
 
 import math
 
-from research import attention
-from research import feed_forward
+from research.model import attention
+from research.model import feed_forward
 
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2",
             "mamba": "mamba"}

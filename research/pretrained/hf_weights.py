@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 
-from research import attention
+from research.model import attention
 
 # Tensors some checkpoints carry that are not parameters (GPT-2's causal mask buffers).
 IGNORED = (re.compile(r".*\.attn\.(masked_)?bias$"), re.compile(r".*rotary_emb\.inv_freq$"))

@@ -25,7 +25,7 @@ from research import defaults
 from research.training import checks
 from research.runs import config_fields
 from research.evaluation import extrapolation
-from research import model as model_lib
+from research.model import transformer as model_lib
 from research.training import loop as train
 from research.runs import lock as workdir_lock
 from research.runs import unread

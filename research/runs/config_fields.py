@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from research import defaults
-from research import positions
+from research.model import positions
 from research import variants
 from research.defaults import flatten  # noqa: F401 (config_fields.flatten, as before)
 from research.runs import unread

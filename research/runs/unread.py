@@ -21,12 +21,12 @@ from typing import Iterator, NamedTuple
 
 import ml_collections
 
-from research import attention
+from research.model import attention
 from research import defaults
-from research import feed_forward
-from research import model as model_lib
-from research import norms
-from research import positions
+from research.model import feed_forward
+from research.model import transformer as model_lib
+from research.model import norms
+from research.model import positions
 from research import variants
 from research.data import catalog
 from research.data import mad

@@ -13,9 +13,9 @@ from research.runs import config_fields
 from research.runs import unread
 from research import data
 from research import defaults
-from research import model as model_lib
-from research import positions
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import positions
+from research.model import sharding
 
 # Scalar train and eval fields: (field, is the value valid, what is valid).
 FIELD_RULES = (

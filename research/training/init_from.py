@@ -1,7 +1,7 @@
 """Training that starts from another run's final parameters (train.init_from), converted where
 the architectures differ only in key/value heads: MHA (or GQA) to GQA with fewer key/value heads
 by mean-pooling each group's key and value heads (Ainslie et al., arXiv:2305.13245, section 2.1;
-research.attention.convert), then uptrained with a fresh optimizer for train.num_steps steps
+research.model.attention.convert), then uptrained with a fresh optimizer for train.num_steps steps
 (0: the converted model alone, saved as checkpoint 0 to be evaluated as it is).
 
 train.init_from is a run directory; a relative path is taken from the directory that holds
@@ -18,12 +18,12 @@ import os
 
 from flax import nnx
 
-from research import attention
+from research.model import attention
 from research.runs import checkpoints
 from research.runs import config_fields
-from research import model as model_lib
-from research import sharding
-from research.attention import convert
+from research.model import transformer as model_lib
+from research.model import sharding
+from research.model.attention import convert
 
 # Model fields that may differ between the source and this run, besides those that do not
 # change training (research.runs.config_fields: the rotary context extensions, the softmax backend):

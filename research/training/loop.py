@@ -3,7 +3,7 @@
   jax.jit(train_step, in_shardings=(state, batch), out_shardings=(state, replicated),
           donate_argnums=0)
 over a (data, fsdp, tensor) device mesh, parameters sharded by their logical axis names
-(research.sharding.RULES) and created already sharded; AdamW with warmup + cosine decay and
+(research.model.sharding.RULES) and created already sharded; AdamW with warmup + cosine decay and
 global-norm clipping (optax); asynchronous, atomic orbax checkpoints (research.runs.checkpoints);
 resume by rerunning the same command (the batch of step s is a pure function of seed, s and
 process, so resuming needs no data state). One writer per workdir (research.runs.lock). Runs
@@ -11,7 +11,7 @@ unchanged on CPU, GPU or TPU, one process or many (jax.distributed); in a run of
 a watchdog (research.training.lost_process) stops every process with one line when one is lost.
 
 The objective is the mean next-token cross-entropy over the scored tokens plus the auxiliary
-losses the layers sow (a mixture of experts' load balancing; research.feed_forward.base); the
+losses the layers sow (a mixture of experts' load balancing; research.model.feed_forward.base); the
 logged `loss` is the cross-entropy alone, the auxiliary losses are logged beside it.
 
 Sections: 1 set-up and checks; 2 state, created sharded; 3 the step; 4 checkpoints; 5 the loop.
@@ -31,12 +31,12 @@ from research.runs import checkpoints
 from research.training import checks
 from research import data
 from research.evaluation import evaluate
-from research import feed_forward
-from research import flops
+from research.model import feed_forward
+from research.model import flops
 from research.training import init_from
 from research.training import lost_process
-from research import model as model_lib
-from research import sharding
+from research.model import transformer as model_lib
+from research.model import sharding
 from research.runs import lock as workdir_lock
 from research.training.metrics import MetricWriter
 
@@ -62,7 +62,7 @@ def make_optimizer(config, abstract_model=None):
       decay_steps=max(t.num_steps, t.warmup_steps + 1),  # num_steps 0: never evaluated
       end_value=t.learning_rate * t.end_learning_rate_fraction)
 
-  # Each parameter's own `weight_decay` metadata, declared where it is created (research.nn),
+  # Each parameter's own `weight_decay` metadata, declared where it is created (research.model.nn),
   # read once from the abstract model; the mask looks parameters up by their path, so it serves
   # trees of Variables (this loop) and of raw arrays (nnx.Optimizer's update) alike.
   declared = {}
@@ -73,7 +73,8 @@ def make_optimizer(config, abstract_model=None):
     decay = variable.get_metadata().get("weight_decay")
     if decay is None:
       raise ValueError(f"parameter {jax.tree_util.keystr(path)} does not declare weight_decay; "
-                       f"create it with research.nn.param / nn.dense, or pass weight_decay=...")
+                       f"create it with research.model.nn.param / nn.dense, or pass "
+                       "weight_decay=...")
     declared[jax.tree_util.keystr(path)] = decay
 
   def decay_mask(params):

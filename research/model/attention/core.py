@@ -1,0 +1,395 @@
+"""The attention core: one function for every softmax-family mixer, with the contract of
+FlexAttention (Dong et al., arXiv:2412.05496; PyTorch's `flex_attention(q, k, v, score_mod,
+block_mask)`):
+
+  attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, V], *, scale, score_mod, score_params,
+         inputs, mask, segments_BxT, backend, block_size) -> [B, T, N, V]
+  out_i = sum_j softmax_j(score_mod(scale q_i . k_j) where mask(i, j) else -inf) v_j
+
+a sequence attending to itself, causally (decoding against a cache goes through the same score
+function in research.model.attention.kv_cache). Query head n reads key/value head n // (N / K)
+(grouped-query attention, never repeated in memory); values may be wider than queries and keys
+(V != H).
+
+* `score_mod` (a `ScoreMod`) changes the float32 logits of each (query, key) pair: an additive
+  bias `bias(params, q_inputs, k_inputs) -> [B' | 1, N | 1, T, S]` (position schemes: ALiBi, T5,
+  KERPLE, FIRE; FoX's forget gates) and/or any `modify(logits_BxNxTxS, params, q_inputs,
+  k_inputs) -> logits`. `inputs` is a pytree of per-token arrays [B | 1, T, ...] (by default
+  the positions 0..T-1, [1, T]); the core cuts it into the query and key rows of each tile, and
+  the gradients reach `score_params` and the floating-point leaves of `inputs`. A `contextual`
+  change sees each query's whole row of masked logits and the query vector (CoPE,
+  arXiv:2405.18719: positions counted by gates over the row); it needs whole rows, so xla and
+  the decode cache run it and blockwise refuses it.
+* `mask` (research.model.attention.masks.MaskSpec) declares the visible keys: causal, a sliding
+window
+  with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
+  attention within a document.
+* `sink_queries` (`SinkQueries`: queries and their score inputs at the queries' cache positions)
+  give the sink pairs (masks.sink_pairs: a sink W or more tokens back) their logits, as
+  StreamingLLM's positions in its rolling cache do: score_mod(scale q_sink . k) with the sink
+  score inputs. xla writes the logits out (the sink columns twice), blockwise computes the sink
+  queries' logits only in the tiles that may hold a sink pair, forward and backward; cudnn
+  refuses them.
+
+Backends (what each can express, and which `auto` picks):
+  xla        jax.nn.dot_product_attention(implementation="xla") with the bias and mask
+             materialised, [B, N, T, T]; a `modify` or values wider than keys take the same
+             float32 computation written out (jax.nn.dot_product_attention needs V == H)
+  blockwise  research.model.attention.blockwise: exact, online softmax, O(length) memory; the score
+             modification and the mask evaluated per tile, forward and backward, and only the
+             tiles the mask spec allows are visited (window, sinks and block-sparse patterns
+             shorten the schedule)
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU, half precision; takes
+             an additive bias and a mask, refuses `modify` and V != H by name
+  pallas     research.model.attention.pallas_backend: the FlashAttention-2 kernel JAX ships in
+  Pallas
+             (Triton on a GPU, interpret mode on a CPU): causal, packed documents, V == H; refuses
+             a score modification, a window, sinks and block-sparse patterns by name
+  auto       cudnn where it can run the call (a GPU, bfloat16 / float16, nothing it refuses);
+             on a CPU blockwise from AUTO_BLOCKWISE_FROM (1024) tokens on, or where the
+             batch's float32 scores would exceed AUTO_BLOCKWISE_SCORES_BYTES (16 MiB: they no
+             longer stay in the cache), xla below (the crossovers of the two measured fwd+bwd
+             on a 2-core CPU); xla otherwise.
+             It never picks pallas: no GPU has run it in this project yet (`make
+             accelerator-check` times it where one is lent).
+`probabilities` returns the materialised attention weights of the same computation (the
+analyses read them from here).
+
+`normaliser` turns the logits into weights: "softmax" (the default, everything above), or
+"stickbreaking" (stick-breaking attention, Tan et al., arXiv:2410.17980; research.model.attention.
+stick_breaking_kernel): A_ij = sigmoid(z_ij) prod_{l in (j, i)} (1 - sigmoid(z_il)) over the
+visible keys before the query (or up to it: StickBreaking(attend_current=True)), not summing to
+1. It runs on xla (materialised, float32) and blockwise (its own kernel on the same tiles,
+score modifications and masks, nearest key block first); cudnn, sliding windows and sinks are
+refused. `auto` picks between xla and blockwise as for softmax.
+"""
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from research.model.attention import masks
+from research.model.attention import pallas_backend
+from research.model.attention import stick_breaking_kernel
+from research.model.attention.blockwise import blockwise
+from research.model.attention.masks import CAUSAL, MaskSpec  # noqa: F401 (re-exported)
+
+BACKENDS = ("auto", "xla", "blockwise", "cudnn", "pallas")
+# The backends that run a contextual score (ScoreMod.contextual: whole rows of logits).
+CONTEXTUAL_BACKENDS = ("auto", "xla")
+# What turns the logits into attention weights (`normaliser` of attend and probabilities).
+NORMALISERS = ("softmax", stick_breaking_kernel.NAME)
+# `auto`: blockwise from this length on. Measured fwd+bwd on a 2-core CPU (mixers suite: batch 1,
+# 8 heads, head_dim 64, block 128, fp32), xla / blockwise in ms: 256: 13.4 / 12.6, 512: 34.0 /
+# 29.6, 768: 82.3 / 82.5, 1024: 190 / 123, 2048: 764 / 460. Below 1024 the two are within the
+# machine's noise, and xla is one fused op without the loop overheads; from 1024 blockwise is
+# ahead (1.5x) and the gap grows with the length, as does xla's O(length^2) memory.
+AUTO_BLOCKWISE_FROM = 1024
+# `auto`: blockwise also where the [batch, heads, length, length] float32 scores reach this size.
+# xla's fwd+bwd grows faster than the batch once they outgrow the cache: measured on a 2-core
+# Xeon (2026-12-04, head_dim 64, block 128, fp32), xla / blockwise in ms at 512 tokens, 8 heads:
+# batch 1 (8 MiB) 18.4 / 20.7, batch 2 (16 MiB) 55.2 / 31.2, batch 8 (64 MiB) 242 / 138; at 256
+# tokens: batch 2 (4 MiB) 13.5 / 15.2, batch 8 (16 MiB) 51.3 / 49.7, batch 16 with head_dim 16
+# (32 MiB) 78.1 / 57.0; at 128 tokens, 4 heads, head_dim 32: batch 16 (4 MiB) 11.6 / 12.3,
+# batch 64 (16 MiB) 40.7 / 39.4. The training step of 4 layers, d_model 512, 8 x 512 tokens
+# runs in 1.71 s with blockwise against 2.28 s with xla.
+AUTO_BLOCKWISE_SCORES_BYTES = 16 * 2**20
+LARGE_NEGATIVE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMod:
+  """A change of the attention logits, differentiable in its parameters and float inputs.
+
+  bias(params, q_inputs, k_inputs) -> [B' | 1, N | 1, T, S] (or None), added to the logits;
+  modify(logits [B, N, T, S] float32, params, q_inputs, k_inputs) -> logits, applied after the
+  bias. q_inputs / k_inputs are the rows of the per-token inputs for the queries / keys at hand
+  (a tile, the whole sequence, or a cache). Either may be None.
+  """
+  bias: Optional[Callable] = None
+  modify: Optional[Callable] = None
+  # contextual(logits [B, N, T, S] float32, the invisible keys at finfo.min, params,
+  # q [B, T, N, H]) -> logits: a function of each query's whole row of visible logits, in key
+  # order, and of the query itself (CoPE's contextual positions, arXiv:2405.18719), applied after
+  # bias and modify. It needs whole rows: xla and the decode cache run it, blockwise (a row tile
+  # by tile) and cudnn refuse it.
+  contextual: Optional[Callable] = None
+
+  @property
+  def additive(self) -> bool:
+    return self.modify is None and self.contextual is None
+
+  @property
+  def rowwise(self) -> bool:
+    return self.contextual is not None
+
+  def apply(self, logits_BxNxTxS, params, q_inputs, k_inputs):
+    if self.bias is not None:
+      bias = self.bias(params, q_inputs, k_inputs)
+      if bias is not None:
+        logits_BxNxTxS = logits_BxNxTxS + bias.astype(logits_BxNxTxS.dtype)
+    if self.modify is not None:
+      logits_BxNxTxS = self.modify(logits_BxNxTxS, params, q_inputs, k_inputs)
+    return logits_BxNxTxS
+
+
+class SinkQueries(NamedTuple):
+  """The queries of the sink pairs (masks.sink_pairs: a key seen only because it is a sink, W or
+  more tokens back) under StreamingLLM's cache positions: every such pair's logit is
+  score_mod(scale q_sink . k) with the score inputs `inputs` on the query side, every other
+  pair's score_mod(scale q . k) with the usual inputs. q: [B, T, N, H], the queries at their
+  cache positions (a rotary scheme's), or None for the queries themselves (a bias scheme: only
+  the score inputs differ); inputs: the queries' score inputs at their cache positions, a pytree
+  as `inputs`."""
+  q: Any
+  inputs: Any
+
+
+def _with_sinks(sink_queries, mask):
+  """sink_queries, or None where the mask has no sink pairs."""
+  return sink_queries if mask.window and mask.sinks else None
+
+
+def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=None,
+             platform=None, sink_queries=False, mask=None):
+  """Why `backend` cannot run a call with these properties ([] when it can)."""
+  platform = platform or jax.default_backend()
+  reasons = []
+  if backend == "pallas":
+    if platform not in ("gpu", "cpu"):
+      reasons.append(f"'pallas' is JAX's GPU (Triton) kernel, run in interpret mode on a CPU; "
+                     f"JAX runs on {platform!r}")
+    if score_mod is not None:
+      reasons.append("'pallas' takes no score modification (a bias scheme, gates, CoPE): use "
+                     "'blockwise' or 'xla'")
+    if mask is not None and (mask.window or mask.keep is not None):
+      reasons.append("'pallas' runs causal attention (within packed documents) only, not a "
+                     "sliding window, sinks or a block-sparse pattern: use 'blockwise'")
+    if value_dim is not None and head_dim is not None and value_dim != head_dim:
+      reasons.append(f"'pallas' needs values as wide as keys, got {value_dim} != {head_dim}")
+  if backend == "cudnn":
+    if sink_queries:
+      reasons.append("'cudnn' takes one query per token, not the sink queries of StreamingLLM's "
+                     "cache positions (model.softmax.sink_positions='cache')")
+    if platform != "gpu":
+      reasons.append(f"'cudnn' needs a GPU, but JAX runs on {platform!r}")
+    if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+      reasons.append(f"'cudnn' needs bfloat16 or float16 compute, got {jnp.dtype(dtype).name}")
+    if score_mod is not None and not score_mod.additive:
+      reasons.append("'cudnn' takes an additive bias only, not a score `modify` function")
+    if value_dim is not None and head_dim is not None and value_dim != head_dim:
+      reasons.append(f"'cudnn' needs values as wide as keys, got {value_dim} != {head_dim}")
+  elif backend == "blockwise":
+    if score_mod is not None and score_mod.rowwise:
+      reasons.append("'blockwise' visits each query's keys tile by tile, but a contextual score "
+                     "(CoPE) needs the whole row at once: use 'xla' (or 'auto')")
+  elif backend not in BACKENDS:
+    reasons.append(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+  return reasons
+
+
+def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=None, *,
+                 score_mod=None, head_dim=None, value_dim=None, sink_queries=False,
+                 batch_heads=1):
+  """The backend that `auto` runs for `batch_heads` (sequence, head) pairs of `length` tokens:
+  cudnn where it may run (among `backends`, and nothing in the call it refuses); on a CPU xla
+  for short sequences and small batches, blockwise from AUTO_BLOCKWISE_FROM tokens on or where
+  the float32 scores, batch_heads * length^2 * 4 bytes, reach AUTO_BLOCKWISE_SCORES_BYTES: there
+  skipping masked tiles and never writing the scores outweighs the loop's overheads; xla on
+  other devices (set blockwise there explicitly for O(length) memory)."""
+  platform = platform or jax.default_backend()
+  if score_mod is not None and score_mod.rowwise:
+    return "xla"  # the only backend with whole rows
+  if "cudnn" in backends and not refusals("cudnn", score_mod=score_mod, head_dim=head_dim,
+                                          value_dim=value_dim, dtype=compute_dtype,
+                                          platform=platform, sink_queries=sink_queries):
+    return "cudnn"
+  if platform != "cpu":
+    return "xla"
+  scores_bytes = batch_heads * length * length * 4
+  long = length >= AUTO_BLOCKWISE_FROM or scores_bytes >= AUTO_BLOCKWISE_SCORES_BYTES
+  return "blockwise" if long else "xla"
+
+
+def _visible(mask, length, segments_BxT):
+  """[B | 1, 1, T, T] bool: the keys each query of a sequence sees."""
+  index = jnp.arange(length)
+  # In packed documents the sinks of each document are its first tokens.
+  document_index = (None if segments_BxT is None or not mask.sinks
+                    else masks.positions_in_documents(segments_BxT))
+  return mask.allowed(index, index, segments_BxT, segments_BxT, document_index)
+
+
+def _sequence_mask(mask, length, segments_BxT):
+  """_visible, or None for plain causal attention (the fused backends' own causal path)."""
+  if not mask.window and mask.keep is None and segments_BxT is None:
+    return None
+  return _visible(mask, length, segments_BxT)
+
+
+def grouped_logits(q_BxTxNxH, k_BxSxKxH, scale):
+  """scale q k^T, float32 [B, N, T, S], query head n against key head n // (N / K)."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv_heads = k_BxSxKxH.shape[2]
+  q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, kv_heads, n // kv_heads, h)
+  logits = jnp.einsum("BTKGH,BSKH->BKGTS", q_BxTxKxGxH, k_BxSxKxH,
+                      preferred_element_type=jnp.float32)
+  return logits.reshape(b, n, t, k_BxSxKxH.shape[1]) * scale
+
+
+def grouped_values(probs_BxNxTxS, v_BxSxKxV):
+  """sum_s p[b, n, t, s] v[b, s, n // G], [B, T, N, V] in float32."""
+  b, n, t, s = probs_BxNxTxS.shape
+  kv_heads = v_BxSxKxV.shape[2]
+  p = probs_BxNxTxS.reshape(b, kv_heads, n // kv_heads, t, s).astype(v_BxSxKxV.dtype)
+  out = jnp.einsum("BKGTS,BSKV->BTKGV", p, v_BxSxKxV, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, n, v_BxSxKxV.shape[-1])
+
+
+def _default_inputs(inputs, length):
+  return jnp.arange(length)[None] if inputs is None else inputs
+
+
+def _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params, inputs,
+                 sink_queries, mask, segments_BxT):
+  """`logits` [B, N, T, T] with the sink pairs' logits from the sink queries: only the first S
+  keys can be sinks of a single document, any key in packed documents."""
+  t = q_BxTxNxH.shape[1]
+  columns = t if segments_BxT is not None else min(mask.sinks, t)
+  k_inputs = jax.tree.map(lambda x: x[:, :columns], inputs)
+  sinks = (raw[..., :columns] if sink_queries.q is None
+           else grouped_logits(sink_queries.q, k_BxTxKxH[:, :columns], scale))
+  if score_mod is not None:
+    sinks = score_mod.apply(sinks, score_params, sink_queries.inputs, k_inputs)
+  index = jnp.arange(t)
+  document_index = (None if segments_BxT is None
+                    else masks.positions_in_documents(segments_BxT)[:, :columns])
+  pairs = mask.sink_pairs(index, index[:columns], document_index)
+  pairs = pairs[None, None] if pairs.ndim == 2 else pairs[:, None]
+  head = jnp.where(pairs, sinks.astype(logits.dtype), logits[..., :columns])
+  return jnp.concatenate([head, logits[..., columns:]], axis=-1)
+
+
+def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_params=(),
+                  inputs=None, mask=CAUSAL, segments_BxT=None, sink_queries=None,
+                  normaliser="softmax"):
+  """(float32 attention probabilities [B, N, T, T], the visible keys [B | 1, 1, T, T]) of
+  `attend` with the same arguments, materialised: for analyses and interventions (with
+  normaliser "stickbreaking": its weights, and the keys that may take weight)."""
+  stick = stick_breaking_kernel.resolve(normaliser, mask)
+  t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
+  scale = h ** -0.5 if scale is None else scale
+  inputs = _default_inputs(inputs, t)
+  sink_queries = _with_sinks(sink_queries, mask)
+  raw = logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
+  if score_mod is not None:
+    logits = score_mod.apply(logits, score_params, inputs, inputs)
+  if sink_queries is not None:
+    logits = _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params,
+                          inputs, sink_queries, mask, segments_BxT)
+  visible = _visible(mask, t, segments_BxT)
+  if stick is not None:
+    if score_mod is not None and score_mod.rowwise:
+      raise ValueError("a contextual score (CoPE) takes the softmax normaliser, not stick-breaking")
+    index = jnp.arange(t)
+    visible = stick_breaking_kernel.visible_keys(visible, index, index, stick.attend_current)
+    return stick_breaking_kernel.weights(logits, visible), visible
+  logits = masked_logits(logits, visible, score_mod, score_params, q_BxTxNxH)
+  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), visible
+
+
+def masked_logits(logits_BxNxTxS, visible, score_mod, score_params, q_BxTxNxH,
+                  masked=jnp.finfo(jnp.float32).min):
+  """The logits with the invisible keys at `masked`, and score_mod's contextual change (if any)
+  of each query's row; the rows are whole and their keys in order."""
+  logits_BxNxTxS = jnp.where(visible, logits_BxNxTxS, masked)
+  if score_mod is None or score_mod.contextual is None:
+    return logits_BxNxTxS
+  changed = score_mod.contextual(logits_BxNxTxS, score_params, q_BxTxNxH)
+  return jnp.where(visible, changed.astype(jnp.float32), masked)
+
+
+def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score_params=(),
+           inputs=None, mask=CAUSAL, segments_BxT=None, backend="auto", block_size=128,
+           backends=BACKENDS, sink_queries=None, normaliser="softmax"):
+  """softmax(score_mod(scale q k^T), mask) v of a sequence to itself; see the module docstring.
+
+  scale defaults to 1/sqrt(H); inputs to the positions 0..T-1; `backends` are those the caller
+  allows `auto` to pick from; sink_queries (`SinkQueries`) give the sink pairs their own queries
+  and score inputs (StreamingLLM's cache positions); normaliser "stickbreaking" takes
+  stick-breaking weights instead of the softmax (see the module docstring)."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv_heads, width = k_BxTxKxH.shape[2], v_BxTxKxV.shape[-1]
+  if n % kv_heads:
+    raise ValueError(f"{kv_heads} key/value heads do not divide {n} query heads")
+  scale = h ** -0.5 if scale is None else scale
+  inputs = _default_inputs(inputs, t)
+  sink_queries = _with_sinks(sink_queries, mask)
+  with_sinks = sink_queries is not None
+  stick = stick_breaking_kernel.resolve(normaliser, mask)
+  if stick is not None:
+    return _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, scale=scale,
+                                  score_mod=score_mod, score_params=score_params, inputs=inputs,
+                                  mask=mask, segments_BxT=segments_BxT, backend=backend,
+                                  block_size=block_size, backends=backends)
+  if backend == "auto":
+    backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
+                           value_dim=width, sink_queries=with_sinks, batch_heads=b * n)
+  if backend == "pallas" and _without_scores(score_mod, score_params, inputs):
+    score_mod = None
+  reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width,
+                     sink_queries=with_sinks, mask=mask)
+  if reasons:
+    raise ValueError(f"attention backend {backend!r} cannot run this call: {'; '.join(reasons)}")
+  if backend == "pallas":
+    return pallas_backend.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, scale=scale,
+                                    segments_BxT=segments_BxT)
+  if backend == "blockwise":
+    return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
+                     block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,
+                     sink_queries=sink_queries)
+  visible = _sequence_mask(mask, t, segments_BxT)
+  if (score_mod is None or score_mod.additive) and width == h and not with_sinks:
+    bias = None if score_mod is None else score_mod.bias(score_params, inputs, inputs)
+    bias = None if bias is None else bias.astype(q_BxTxNxH.dtype)
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, bias=bias, mask=visible,
+                                        is_causal=visible is None, scale=scale,
+                                        implementation=backend)
+  # A `modify`, values wider than keys or sink queries: the same float32 computation written out.
+  probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
+                           score_params=score_params, inputs=inputs, mask=mask,
+                           segments_BxT=segments_BxT, sink_queries=sink_queries)
+  return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)
+
+
+def _without_scores(score_mod, score_params, inputs):
+  """Whether `score_mod` changes no logit: no modify or contextual change, and a bias that is
+  None for these inputs (a mixer passes its scheme's bias function whatever the scheme; RoPE's
+  gives None)."""
+  return score_mod is None or (score_mod.additive and (
+      score_mod.bias is None or score_mod.bias(score_params, inputs, inputs) is None))
+
+
+def _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, *, scale, score_mod,
+                           score_params, inputs, mask, segments_BxT, backend, block_size,
+                           backends):
+  """`attend` with the stick-breaking normaliser: blockwise (its kernel), or xla (materialised);
+  `auto` picks between the two as for softmax."""
+  if backend == "auto":
+    batch, length, heads, _ = q_BxTxNxH.shape
+    backend = auto_backend(length, tuple(b for b in backends if b != "cudnn"), q_BxTxNxH.dtype,
+                           batch_heads=batch * heads)
+  if backend not in ("xla", "blockwise"):
+    raise ValueError(f"attention backend {backend!r} cannot run stick-breaking attention; valid: "
+                     "'auto', 'xla' (materialised) or 'blockwise' (cuDNN and Pallas have no such "
+                     "kernel)")
+  if backend == "blockwise":
+    return stick_breaking_kernel.blockwise_attention(
+        q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, block_size=block_size,
+        scale=scale, mask=mask, segments_BxT=segments_BxT, attend_current=stick.attend_current)
+  probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
+                           score_params=score_params, inputs=inputs, mask=mask,
+                           segments_BxT=segments_BxT, normaliser=stick)
+  return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)

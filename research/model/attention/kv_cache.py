@@ -1,0 +1,233 @@
+"""The decode cache of a softmax-family mixer, and attention of new tokens to it through the
+core's score function (research.model.attention.core: the same ScoreMod and MaskSpec as `attend`).
+
+Two layouts, chosen by the mask spec:
+  full     every token p in slot p; its bytes grow with the context.
+  rolling  with a sliding window W and S sinks: S + W slots, token p in slot p (p < S) or
+           S + (p - S) mod W, with its token index kept beside it, so the bytes do not grow.
+Keys and values are stored heads before length, with batch and key/value heads in one axis,
+[B K, S, H] (H may differ between keys and values), so that both matmuls of a decode step read
+the cache where it is written (in the [B, S, K, H] layout of the sequence path, XLA copied the
+whole cache transposed at every step: about two thirds of a step's time at 4096 tokens). Any
+other per-token array a mixer keeps (FoX's cumulative log forget gates) is [B, S, ...].
+
+Attention of T new tokens at indices index..index + T - 1 (`KVCache.attend`): the full layout
+writes them first and attends to the cache up to them (reading before the write, XLA copies the
+cache to keep the old values for the readers); the rolling layout attends to the cached slots and
+the new tokens, then writes (new tokens may overwrite slots that the first of them still see).
+The score inputs of cached keys are computed from their token indices and kept arrays by the
+mixer's `score_inputs(positions, arrays)`, as for the sequence path. With StreamingLLM's cache
+positions (core.SinkQueries) the logits of a query and a sink outside its window (the first S
+slots, and any new token that is a sink of a later one) come from the query at its cache position.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from research.model.attention import core
+
+# Cache entries stored heads before length, batch and key/value heads in one axis.
+HEADS_FIRST = frozenset({"key", "value"})
+
+
+def to_cache_layout(name, x_BxTx___):
+  """A per-token array of new tokens, [B, T, ...], in its cache layout."""
+  if name not in HEADS_FIRST:
+    return x_BxTx___
+  b, t, k, h = x_BxTx___.shape
+  return x_BxTx___.swapaxes(1, 2).reshape(b * k, t, h)
+
+
+def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
+                     sink_queries=None):
+  """softmax(score_mod(scale q k^T), mask) v of T queries against groups of keys in the cache's
+  layout, in one softmax over all of them: parts are (k [B K, S_i, H], v [B K, S_i, V], q_inputs,
+  k_inputs, mask [B' | 1, 1, T, S_i]) and optionally the part's sink pairs [B' | 1, 1, T, P_i]
+  (masks.sink_pairs of its first P_i keys), e.g. the cache and the new tokens. The sink pairs
+  take their logits from `sink_queries` (core.SinkQueries: StreamingLLM's cache positions).
+  Logits and softmax in float32, as jax.nn.dot_product_attention's xla implementation; the query
+  heads of a group share their key/value head without a repeat.
+
+  Both matmuls read the cache as it is stored, so that XLA's CPU dot copies none of it: one
+  batch axis, k the left operand with the logits keys first, [B K, S, G, T], and v the right
+  operand contracted over S (asked for [.., T, S] logits, XLA swaps the operands and copies all
+  of k transposed at every decode step, and v as well). The softmax then runs over the last
+  axis, [B K, G, T, S], where XLA:CPU reduces at memory speed. The scale multiplies q, not the
+  logits (a copy of them at every step). A score `modify` sees the logits as [B, N, T, S]; a
+  `contextual` one (CoPE) the row over all parts, which must then be in token order (the full
+  layout's one part)."""
+  b, t, n, h = q_BxTxNxH.shape
+  kv_heads = parts[0][0].shape[0] // b
+  group = n // kv_heads
+
+  def grouped(q_BxTxNxH):  # -> [B K, G, T, H], X = B K
+    return (q_BxTxNxH.reshape(b, t, kv_heads, group, h).transpose(0, 2, 3, 1, 4)
+            .reshape(b * kv_heads, group, t, h))
+
+  def keys_first(x):  # [B' | 1, N | 1, T, S] -> [B K, S, G, T]
+    x = (x.reshape(x.shape[0], kv_heads, group, *x.shape[2:]) if x.shape[1] == n
+         else x[:, :, None])
+    x = jnp.broadcast_to(x, (b, kv_heads, group) + x.shape[3:])
+    return jnp.moveaxis(x.reshape(b * kv_heads, group, *x.shape[3:]), -1, 1)
+
+  def heads_and_queries_first(x_XxSxGxT):  # -> [B, N, T, S]
+    s = x_XxSxGxT.shape[1]
+    return x_XxSxGxT.reshape(b, kv_heads, s, group, t).transpose(0, 1, 3, 4, 2).reshape(
+        b, n, t, s)
+
+  def modified(logits_XxSxGxT, q_inputs, k_inputs):
+    if score_mod is not None and score_mod.bias is not None:
+      bias = score_mod.bias(score_params, q_inputs, k_inputs)
+      if bias is not None:
+        logits_XxSxGxT = logits_XxSxGxT + keys_first(bias.astype(q_BxTxNxH.dtype))
+    if score_mod is not None and score_mod.modify is not None:
+      modified = score_mod.modify(heads_and_queries_first(logits_XxSxGxT), score_params,
+                                  q_inputs, k_inputs)
+      logits_XxSxGxT = keys_first(modified.astype(jnp.float32))
+    return logits_XxSxGxT
+
+  q_XxGxTxH = grouped(q_BxTxNxH) * scale
+  sink_q_XxGxTxH = (None if sink_queries is None or sink_queries.q is None
+                    else grouped(sink_queries.q) * scale)
+  logits, visible = [], []
+  for k_XxSxH, _, q_inputs, k_inputs, mask, *sink_pairs in parts:
+    raw = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH, preferred_element_type=jnp.float32)
+    logits_XxSxGxT = modified(raw, q_inputs, k_inputs)
+    if sink_queries is not None and sink_pairs:  # the first P keys may be sinks
+      pairs = sink_pairs[0]
+      p = pairs.shape[-1]
+      sinks = (raw[:, :p] if sink_q_XxGxTxH is None else
+               jnp.einsum("XSH,XGTH->XSGT", k_XxSxH[:, :p], sink_q_XxGxTxH,
+                          preferred_element_type=jnp.float32))
+      sinks = modified(sinks, sink_queries.inputs, jax.tree.map(lambda x: x[:, :p], k_inputs))
+      logits_XxSxGxT = jnp.concatenate(
+          [jnp.where(keys_first(pairs), sinks, logits_XxSxGxT[:, :p]), logits_XxSxGxT[:, p:]],
+          axis=1)
+    visible.append(keys_first(mask))
+    logits.append(jnp.where(visible[-1], logits_XxSxGxT, core.LARGE_NEGATIVE))
+  logits_XxSxGxT = jnp.concatenate(logits, axis=1)
+  if score_mod is not None and score_mod.rowwise:  # the parts' keys are in token order
+    visible_XxSxGxT = jnp.concatenate(visible, axis=1)
+    changed = core.masked_logits(heads_and_queries_first(logits_XxSxGxT),
+                                 heads_and_queries_first(visible_XxSxGxT), score_mod,
+                                 score_params, q_BxTxNxH, core.LARGE_NEGATIVE)
+    logits_XxSxGxT = keys_first(changed)
+  probs_XxGxTxS = jax.nn.softmax(jnp.moveaxis(logits_XxSxGxT, 1, -1), axis=-1)
+  splits = list(itertools.accumulate(part[0].shape[1] for part in parts[:-1]))
+  out_XxGxTxV = sum(
+      jnp.einsum("XGTS,XSH->XGTH", p.astype(part[1].dtype), part[1],
+                 preferred_element_type=jnp.float32)
+      for p, part in zip(jnp.split(probs_XxGxTxS, splits, axis=-1), parts))
+  width = out_XxGxTxV.shape[-1]
+  out_BxTxKxGxV = out_XxGxTxV.reshape(b, kv_heads, group, t, width).transpose(0, 3, 1, 2, 4)
+  return out_BxTxKxGxV.reshape(b, t, n, width).astype(q_BxTxNxH.dtype)
+
+
+class KVCache:
+  """The cache layout for a mask spec (full, or rolling with a window), and attention to it.
+
+  A plain object (not a module): a mixer makes one in __init__ and keeps the cache itself as
+  the dict `init` returns, which decode carries."""
+
+  def __init__(self, num_kv_heads, mask=core.CAUSAL):
+    self.num_kv_heads, self.mask = num_kv_heads, mask
+    self.window, self.sinks = mask.window, mask.sinks
+
+  @property
+  def rolling(self):
+    return bool(self.window)
+
+  def slots(self, max_length):
+    """Slots of the cache: every token, or with a window the sinks and the window."""
+    return self.sinks + self.window if self.rolling else max_length
+
+  def init(self, batch_size, max_length, *, key_dim, value_dim, dtype, extra=None):
+    """An empty cache: keys [B K, slots, key_dim], values [B K, slots, value_dim] in `dtype`,
+    and each extra entry name -> (per-token shape, dtype) as [B, slots, ...]."""
+    slots = self.slots(max_length)
+    rows = batch_size * self.num_kv_heads
+    cache = {"key": jnp.zeros((rows, slots, key_dim), dtype),
+             "value": jnp.zeros((rows, slots, value_dim), dtype)}
+    for name, (shape, entry_dtype) in (extra or {}).items():
+      cache[name] = jnp.zeros((batch_size, slots) + tuple(shape), entry_dtype)
+    if self.rolling:  # the token index held by each slot; -1: empty
+      cache["index"] = jnp.full((slots,), -1, jnp.int32)
+    return cache
+
+  def slot(self, token_index):
+    """The cache slot of a token: p, or with a window p (p < S) or S + (p - S) mod W."""
+    if not self.rolling:
+      return token_index
+    return jnp.where(token_index < self.sinks, token_index,
+                     self.sinks + (token_index - self.sinks) % self.window)
+
+  def last(self, cache, name, index):
+    """Entry `name` of token index - 1, [B, ...] (zeros before the first token)."""
+    last = cache[name][:, self.slot(jnp.maximum(index - 1, 0))]
+    return jnp.where(index > 0, last, jnp.zeros_like(last))
+
+  def write(self, tokens, cache, new_index_T):
+    """The new tokens' arrays (key, value, ...) written into their slots."""
+    if self.rolling:
+      return self._write_rolling(tokens, cache, new_index_T)
+    new, slots = tokens["key"].shape[1], cache["key"].shape[1]
+    if new > slots:
+      raise ValueError(f"{new} new tokens do not fit in a decode cache of {slots} tokens: "
+                       "init_cache with max_length >= the prompt and the tokens to generate")
+    index = new_index_T[0]
+    return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(
+        cache[name], to_cache_layout(name, x), index, 1) for name, x in tokens.items()}}
+
+  def _write_rolling(self, tokens, cache, new_index_T):
+    """Keep what later tokens can still see: token p in its slot, if it is a sink or among the
+    last W tokens."""
+    last = new_index_T[-1]
+    keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
+    dropped = self.sinks + self.window  # out of range
+    slot = jnp.where(keep, self.slot(new_index_T), dropped)
+
+    write = lambda old, new: old.at[:, slot].set(new, mode="drop")
+    return {**{name: write(cache[name], to_cache_layout(name, x)) for name, x in tokens.items()},
+            "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
+
+  def attend(self, q_BxTxNxH, tokens, cache, positions_1xT, *, scale, score_mod=None,
+             score_params=(), score_inputs=lambda positions, arrays: positions,
+             sink_queries=None):
+    """(attention of the new tokens' queries to the cache and to each other [B, T, N, V], the
+    cache with their arrays written). tokens: the new tokens' per-token arrays, [B, T, ...] (key
+    and value [B, T, K, H]); score_inputs(positions, arrays) gives the score inputs of tokens at
+    `positions` from their arrays (new ones, or as the cache keeps them); sink_queries
+    (core.SinkQueries) the queries of the sink pairs under StreamingLLM's cache positions."""
+    tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
+    q_inputs = score_inputs(positions_1xT, tokens)
+    if self.rolling:
+      new_index_T, key_index_S = positions_1xT[0], cache["index"]
+      mask = self.mask.visible(new_index_T, key_index_S) & (key_index_S >= 0)
+      # Empty slots (-1) are masked; their score inputs are taken at position 0 (finite).
+      cached = (cache["key"], cache["value"], q_inputs,
+                score_inputs(jnp.maximum(key_index_S, 0)[None], cache), mask[None, None])
+      own = (to_cache_layout("key", tokens["key"]), to_cache_layout("value", tokens["value"]),
+             q_inputs, q_inputs, self.mask.visible(new_index_T, new_index_T)[None, None])
+      if sink_queries is not None and self.sinks:
+        # The sinks sit in the first S slots (token p < S in slot p); among the new tokens any
+        # may be a sink of a later one.
+        sink_slots = key_index_S[:self.sinks]
+        cached += ((self.mask.sink_pairs(new_index_T, sink_slots) & (sink_slots >= 0))[None, None],)
+        own += (self.mask.sink_pairs(new_index_T, new_index_T)[None, None],)
+      y = cached_attention(q_BxTxNxH, [cached, own], scale, score_mod, score_params,
+                           sink_queries)
+      return y, self._write_rolling(tokens, cache, new_index_T)
+    index = positions_1xT[0, 0]
+    cache = self.write(tokens, cache, positions_1xT[0])
+    # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
+    slots_S = jnp.arange(cache["key"].shape[1])
+    mask = self.mask.visible(positions_1xT[0], slots_S)[None, None]
+    y = cached_attention(q_BxTxNxH, [(cache["key"], cache["value"], q_inputs,
+                                      score_inputs(slots_S[None], cache), mask)],
+                         scale, score_mod, score_params)
+    # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
+    # return NaN rather than silently wrong logits (init_cache with a larger max_length).
+    y = jnp.where(index + tokens["key"].shape[1] <= slots_S.shape[0], y, jnp.nan)
+    return y, cache

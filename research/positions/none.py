@@ -1,8 +1,0 @@
-"""No explicit positions (NoPE, Kazemnejad et al., arXiv:2305.19466): the causal mask (or a
-recurrence) is the only order signal."""
-
-from research.positions import base
-
-
-class NoPosition(base.PositionScheme):
-  """Every hook is the base class's no-op."""
