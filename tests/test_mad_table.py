@@ -78,6 +78,23 @@ def test_write_gives_the_table_ranked_by_score_and_the_state_figure(tmp_path):
   assert lines[1].startswith("| mha | 0.600") and lines[2].startswith("| deltanet | 0.700")
 
 
+def test_seeds_are_averaged_in_the_cells_and_their_spread_is_shown_seed_by_seed(tmp_path):
+  """Seed 1 scores every test row 0.2 lower: the cells average the two seeds, and the seed table
+  gives each seed's own score (selection and means within that seed) and their std."""
+  seed0 = [dict(row, **{"train.seed": 0}) for row in _rows()]
+  seed1 = [dict(row, **{"train.seed": 1, "accuracy": row["accuracy"] - 0.2}) for row in _rows()]
+  rows = seed0 + seed1
+  mean = mad_table.overall(mad_table.scores(rows, "mad_in_context_recall")["test-selected"]["mha"])
+  assert mean.value == pytest.approx((0.6 + 1.0) / 2 - 0.1)
+  spread = mad_table.per_seed(rows, "mad_in_context_recall")["test-selected"]["mha"]
+  assert spread == pytest.approx([0.8, 0.6])
+  assert mad_table.per_seed(seed0, "mad_in_context_recall") == {}
+  mad_table.write(str(tmp_path), rows, "mad_in_context_recall")
+  text = (tmp_path / "mad.md").read_text()
+  section = text.split("## test-selected, seed by seed")[1].split("##")[0]
+  assert "| mha | 0.700 +/- 0.141 | 0.800, 0.600 |" in section
+
+
 def test_accuracy_against_state_draws_one_line_per_mixer_with_byte_ticks():
   rows = [dict(row, eval_mode="nonoverlapping") for row in _rows()
           if row["split"] == "validation" and row["data.name"] == "mad_memorization"]

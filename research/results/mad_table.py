@@ -121,6 +121,33 @@ def overall(per_task):
   return _mean_cell(list(per_task.values()))
 
 
+def per_seed(rows: list[dict], base_task: str) -> dict:
+  """{selection: {mixer: [MAD score of seed s for each seed]}}: the whole selection and means
+  made from each seed's rows alone, so the spread across training seeds shows beside the
+  intervals over test examples (which say nothing about it). Empty for rows of one seed."""
+  seeds = sorted({row.get("train.seed", 0) for row in rows})
+  if len(seeds) < 2:
+    return {}
+  out = collections.defaultdict(lambda: collections.defaultdict(list))
+  for seed in seeds:
+    scored = scores([row for row in rows if row.get("train.seed", 0) == seed], base_task)
+    for selection, per_mixer in scored.items():
+      for mixer, per_task in per_mixer.items():
+        out[selection][mixer].append(overall(per_task).value if per_task else float("nan"))
+  return out
+
+
+def _spread_table(per_mixer):
+  """mean +/- std over seeds (sample std, n - 1) and each seed's MAD score."""
+  lines = ["| mixer | MAD score over seeds | each seed |", "|---|---|---|"]
+  for mixer, values in sorted(per_mixer.items(), key=lambda item: -sum(item[1])):
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    lines.append(f"| {mixer} | {mean:.3f} +/- {std:.3f} | "
+                 + ", ".join(f"{v:.3f}" for v in values) + " |")
+  return lines
+
+
 SELECTION_TEXT = {
     "test-selected": "mad-lab's score: per task setting the best test accuracy over the "
                      "learning-rate x weight-decay grid, then the mean per task and over tasks.",
@@ -148,6 +175,11 @@ def write(workdir: str, rows: list[dict], base_task: str) -> list[str]:
            "(research/results/mad_table.py says how it is combined over settings and tasks).", ""]
   for selection, per_mixer in by_selection.items():
     lines += [f"## {selection}", "", SELECTION_TEXT[selection], "", *_table(per_mixer, tasks), ""]
+  for selection, per_mixer in per_seed(rows, base_task).items():
+    lines += [f"## {selection}, seed by seed", "",
+              "The same score made from each training seed's runs alone: mean +/- std over "
+              "seeds, then each seed's score (the intervals above are over test examples and do "
+              "not include this spread).", "", *_spread_table(per_mixer), ""]
   with open(os.path.join(workdir, "mad.md"), "w") as f:
     f.write("\n".join(lines))
   written = ["mad.md"]

@@ -77,7 +77,7 @@ RESULTS = (
     Result("mqar", (_sweep("configs/mqar.py:quick", SEEDS),),
            {"summary.md": "evaluation/mqar_summary.md", "width.png": "evaluation/mqar_width.png",
             "accuracy_vs_state.png": "evaluation/mqar_state.png"}),
-    Result("mad", (_sweep("configs/mad.py:quick"),),
+    Result("mad", (_sweep("configs/mad.py:quick", SEEDS),),
            {"mad.md": "evaluation/mad_quick.md", "mad_state.png": "evaluation/mad_state.png"}),
     Result("needles", (_sweep("configs/long_context.py:quick", SEEDS),),
            {"summary.md": "evaluation/needles_summary.md",
