@@ -92,7 +92,7 @@ def test_seeds_are_averaged_in_the_cells_and_their_spread_is_shown_seed_by_seed(
   mad_table.write(str(tmp_path), rows, "mad_in_context_recall")
   text = (tmp_path / "mad.md").read_text()
   section = text.split("## test-selected, seed by seed")[1].split("##")[0]
-  assert "| mha | 0.700 +/- 0.141 | 0.800, 0.600 |" in section
+  assert "| mha | 0.700 +/- 0.100 | 0.800, 0.600 |" in section
 
 
 def test_accuracy_against_state_draws_one_line_per_mixer_with_byte_ticks():

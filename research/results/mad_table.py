@@ -138,11 +138,10 @@ def per_seed(rows: list[dict], base_task: str) -> dict:
 
 
 def _spread_table(per_mixer):
-  """mean +/- std over seeds (sample std, n - 1) and each seed's MAD score."""
+  """mean +/- std over seeds (as summary.md's: tables.mean_std) and each seed's MAD score."""
   lines = ["| mixer | MAD score over seeds | each seed |", "|---|---|---|"]
   for mixer, values in sorted(per_mixer.items(), key=lambda item: -sum(item[1])):
-    mean = sum(values) / len(values)
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    mean, std = tables.mean_std(values)
     lines.append(f"| {mixer} | {mean:.3f} +/- {std:.3f} | "
                  + ", ".join(f"{v:.3f}" for v in values) + " |")
   return lines

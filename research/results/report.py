@@ -19,7 +19,6 @@ mad_state.png (research.results.mad_table), which read the test split too.
 
 import collections
 import csv
-import math
 import os
 from typing import NamedTuple
 
@@ -28,8 +27,8 @@ from research import data
 from research.evaluation import results as eval_results
 from research.results import mad_table
 from research.results import sweep as sweep_lib
-from research.results.tables import (aggregate, cell, intervals, scaled_label, swept_keys,
-                                     variant_label)
+from research.results.tables import (aggregate, cell, intervals, mean_std, scaled_label,
+                                     swept_keys, variant_label)
 from research.runs import unread
 from research.runs import workdirs
 
@@ -98,20 +97,14 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
   return rows, without
 
 
-def _mean_std(values):
-  mean = sum(values) / len(values)
-  std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-  return mean, std
-
-
 def _summary_cell(values, lows, highs, best):
   """'mean +/- std (best) [low, high]': over seeds, and the seeds' mean 95% interval."""
   if not values:
     return ""
-  mean, std = _mean_std(values)
+  mean, std = mean_std(values)
   text = f"{mean:.3f} +/- {std:.3f} ({best(values):.3f})" if len(values) > 1 else f"{mean:.3f}"
   if lows:
-    text += f" [{_mean_std(lows)[0]:.3f}, {_mean_std(highs)[0]:.3f}]"
+    text += f" [{mean_std(lows)[0]:.3f}, {mean_std(highs)[0]:.3f}]"
   return text
 
 
@@ -162,8 +155,8 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
                for length in lengths]
       ratio = ""
       if (per_length.get(train_length) and per_length.get(ratio_length)
-          and _mean_std(per_length[train_length])[0]):
-        ratio = (f"{_mean_std(per_length[ratio_length])[0] / _mean_std(per_length[train_length])[0]:.2f}x")
+          and mean_std(per_length[train_length])[0]):
+        ratio = (f"{mean_std(per_length[ratio_length])[0] / mean_std(per_length[train_length])[0]:.2f}x")
       lines.append(f"| {scaled_label(variant, scaling)} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
   if depth_rows:

@@ -4,6 +4,7 @@ The report and the figures both read them from here."""
 
 import collections
 import functools
+import math
 
 from research import defaults
 from research.runs import config_fields
@@ -83,3 +84,10 @@ def intervals(rows, metric):
   before intervals existed have none)."""
   rows = [row for row in rows if f"{metric}_ci_low" in row]
   return aggregate(rows, f"{metric}_ci_low"), aggregate(rows, f"{metric}_ci_high")
+
+
+def mean_std(values):
+  """(mean, std) of a list of seeds' values; the std is the population's (divided by n), as every
+  summary table reports it."""
+  mean = sum(values) / len(values)
+  return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
