@@ -1,9 +1,10 @@
 """Small building blocks shared by the mixers, the position schemes and the model.
 
 Every parameter carries two pieces of metadata where it is created:
-  logical_axes   one name per dimension; `research.model.sharding` maps names to mesh axes (one
-  table); weight_decay   whether AdamW decays it (`research.training.loop` builds its mask from this
-  alone).
+  logical_axes   one name per dimension; `research.model.sharding` maps names to mesh axes
+                 (one table);
+  weight_decay   whether AdamW decays it (`research.training.loop` builds its mask from this
+                 alone).
 """
 
 import math

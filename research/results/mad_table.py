@@ -133,7 +133,7 @@ def per_seed(rows: list[dict], base_task: str) -> dict:
     scored = scores([row for row in rows if row.get("train.seed", 0) == seed], base_task)
     for selection, per_mixer in scored.items():
       for mixer, per_task in per_mixer.items():
-        out[selection][mixer].append(overall(per_task).value if per_task else float("nan"))
+        out[selection][mixer].append(overall(per_task).value)
   return out
 
 

@@ -9,9 +9,8 @@ with W [D, D] and b a dense layer, and conv one of
   kernel_size = -1, implicit_long_conv       ImplicitLongConvolution: conv(u) = h * u + u, a
                                              causal long convolution with h_n = MLP(z_n), MLP =
                                              Linear(3, 16), ReLU, Linear(16, D), z_n the
-                                             positional features of
-                                             research/model/attention/hyena.py (t_n = n / (l_max -
-                                             1), w_n = 2 pi n / l_max)
+                                             positional features of hyena.py
+                                             (t_n = n / (l_max - 1), w_n = 2 pi n / l_max)
   kernel_size = -1, not implicit_long_conv   LongConvolution: conv(u) = h * u + u with an explicit
                                              filter h [l_max, D]
 (the "+ u" inside both long convolutions is zoology's fft_conv). The default is Zoology's

@@ -21,8 +21,7 @@ function in research.model.attention.kv_cache). Query head n reads key/value hea
   arXiv:2405.18719: positions counted by gates over the row); it needs whole rows, so xla and
   the decode cache run it and blockwise refuses it.
 * `mask` (research.model.attention.masks.MaskSpec) declares the visible keys: causal, a sliding
-window
-  with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
+  window with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
   attention within a document.
 * `sink_queries` (`SinkQueries`: queries and their score inputs at the queries' cache positions)
   give the sink pairs (masks.sink_pairs: a sink W or more tokens back) their logits, as
@@ -42,9 +41,9 @@ Backends (what each can express, and which `auto` picks):
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"), GPU, half precision; takes
              an additive bias and a mask, refuses `modify` and V != H by name
   pallas     research.model.attention.pallas_backend: the FlashAttention-2 kernel JAX ships in
-  Pallas
-             (Triton on a GPU, interpret mode on a CPU): causal, packed documents, V == H; refuses
-             a score modification, a window, sinks and block-sparse patterns by name
+             Pallas (Triton on a GPU, interpret mode on a CPU): causal, packed documents,
+             V == H; refuses a score modification, a window, sinks and block-sparse patterns by
+             name
   auto       cudnn where it can run the call (a GPU, bfloat16 / float16, nothing it refuses);
              on a CPU blockwise from AUTO_BLOCKWISE_FROM (1024) tokens on, or where the
              batch's float32 scores would exceed AUTO_BLOCKWISE_SCORES_BYTES (16 MiB: they no

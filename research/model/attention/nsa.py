@@ -60,8 +60,7 @@ same backend, auto picking as the core does):
   xla        the selected blocks as a core ScoreMod `modify` (research.model.attention.moba's
              `visible_blocks`: own block by block id, picks by complete-block index) on the
              materialised [B, N, L, L] logits
-  blockwise  MoBA's efficient form (research.model.attention.moba.sparse_attention): the own block
-  as
+  blockwise  MoBA's efficient form (moba.sparse_attention in this package): the own block as
              row blocks of l queries against 2l keys, the selected blocks as tiles of
              nsa.tile_size queries sharing one key block, merged by log-sum-exp
   auto       blockwise where it computes fewer logits per query than (L + 1) / 2, else xla.
