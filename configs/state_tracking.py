@@ -13,7 +13,8 @@ symbols; accuracy of the answer token, as configs/algorithmic.py.
   python -m experiments.run --config=configs/state_tracking.py:quick --workdir=runs/state
       2 tasks x 5 variants (mha with RoPE as the softmax point of comparison; deltanet with beta
       in (0, 1) and in (0, 2); gated_deltaproduct with and without its forget gate), 1 seed,
-      2 layers of width 64, 500 steps of 32: 10 runs for 2 CPU cores (docs/results.md).
+      2 layers of width 64, 500 steps of 32: 10 runs for 2 CPU cores. Learning parity is an
+      abrupt transition, so `make results` runs it with --seeds=3 (30 runs; docs/results.md).
   python -m experiments.run --config=configs/state_tracking.py:full --workdir=runs/state
       the same variants at the algorithmic suite's full size (5 layers, width 256, 10,000
       steps), 3 seeds, tested up to 500 symbols: for GPUs.

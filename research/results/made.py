@@ -71,7 +71,7 @@ RESULTS = (
     Result("algorithmic", (_sweep("configs/algorithmic.py:quick"),),
            {"summary.md": "evaluation/algorithmic_summary.md",
             "tasks.png": "evaluation/algorithmic_tasks.png"}),
-    Result("state_tracking", (_sweep("configs/state_tracking.py:quick"),),
+    Result("state_tracking", (_sweep("configs/state_tracking.py:quick", SEEDS),),
            {"summary.md": "evaluation/state_tracking_summary.md",
             "tasks.png": "evaluation/state_tracking.png"}),
     Result("mqar", (_sweep("configs/mqar.py:quick", SEEDS),),
