@@ -10,6 +10,8 @@ tokens of examples of TEST_SIZES symbols): lengths count tokens, sizes count inp
   python -m experiments.run --config=configs/algorithmic.py:quick --workdir=runs/algorithmic
       4 tasks (one regular, one context-free, two context-sensitive) x 3 variants, 1 seed, tested
       up to 200 symbols. 8 to 16 minutes with --parallel=2 on 2 idle CPU cores (target: 25).
+      `make results` runs it with --seeds=3 (36 runs): whether a task is learned, and how far
+      it generalises, varies with the seed (docs/results.md).
   python -m experiments.run --config=configs/algorithmic.py:full --workdir=runs/algorithmic
       all 10 tasks x every attention type x each compatible position x 3 seeds, tested up to 500
       symbols: about 600 runs, for GPUs (--sweep_index spreads them over an array job).

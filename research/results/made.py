@@ -34,8 +34,9 @@ def _sweep(config, *extra):
   return ("experiments.run", f"--config={config}", "--workdir={dir}", "--parallel=2", *extra)
 
 
-# Whether retrieval, recall or an induction head forms in a quick preset's budget is an abrupt
-# transition: those results are run over three seeds, and their tables show the spread.
+# Whether retrieval, recall, an induction head or an algorithmic task (its length generalisation
+# included) forms in a quick preset's budget is an abrupt transition: those results are run over
+# three seeds, and their tables show the spread.
 SEEDS = "--seeds=3"
 
 
@@ -68,7 +69,7 @@ RESULTS = (
     Result("attention", (_sweep("configs/attention_extrapolation.py:quick"),),
            {"summary.md": "attention/summary.md",
             "extrapolation.png": "attention/extrapolation.png"}),
-    Result("algorithmic", (_sweep("configs/algorithmic.py:quick"),),
+    Result("algorithmic", (_sweep("configs/algorithmic.py:quick", SEEDS),),
            {"summary.md": "evaluation/algorithmic_summary.md",
             "tasks.png": "evaluation/algorithmic_tasks.png"}),
     Result("state_tracking", (_sweep("configs/state_tracking.py:quick", SEEDS),),
