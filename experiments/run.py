@@ -63,7 +63,7 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # progress lines, not library INFO logs
   workdir = _WORKDIR.value
-  child_env = sweep.members_environment(os.environ, _PARALLEL.value)
+  environ = dict(os.environ)  # the members' environment, before this process's setting below
   if _PARALLEL.value > 1:  # this process only plans: keep it from reserving accelerator memory
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   path, preset = _config_path_and_preset()
@@ -85,8 +85,7 @@ def main(argv):
       if states[member.name] == "done":
         sweep.run_member(workdir, member)
     if _PARALLEL.value > 1:
-      # the members' MFU against the peak of the machine they share, measured before they start
-      child_env.setdefault(flops.PEAK_ENV, repr(flops.total_peak_flops()))
+      child_env = sweep.members_environment(environ, _PARALLEL.value, flops.total_peak_flops)
       _run_in_subprocesses(pending, _PARALLEL.value, child_env)
     else:
       for member in pending:

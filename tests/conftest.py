@@ -100,8 +100,29 @@ def trained_run(tmp_path_factory):
   return config, str(root / "run")
 
 
+# CI (.ci/run) sets this: there every test must run, so a skipped test fails the session, named
+# (a check that CI skips checks nothing). A plain `make test` may skip the few tests that need an
+# optional install or user namespaces, saying which.
+FORBID_SKIPS = os.environ.get("RESEARCH_TESTS_FORBID_SKIPS") == "1"
+_SKIPPED = []
+
+
+def pytest_runtest_logreport(report):
+  if FORBID_SKIPS and report.skipped:  # under pytest-xdist, the controller sees every report
+    _SKIPPED.append(f"{report.nodeid}: {report.longrepr[-1] if report.longrepr else ''}")
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _SKIPPED:
+    terminalreporter.write_line(f"RESEARCH_TESTS_FORBID_SKIPS=1: {len(_SKIPPED)} tests skipped, "
+                                "which fails the session:", red=True)
+    for line in _SKIPPED:
+      terminalreporter.write_line(f"  {line}")
+
+
 def pytest_sessionfinish(session, exitstatus):
-  del session, exitstatus
+  if _SKIPPED and exitstatus == 0:
+    session.exitstatus = 1
   # pytest-xdist workers share the directory their controller made: the controller removes it.
   if "PYTEST_XDIST_WORKER" not in os.environ:
     shutil.rmtree(SESSION_TMP, ignore_errors=True)

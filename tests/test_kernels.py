@@ -20,7 +20,6 @@ from research.model.attention.mamba2 import chunked_ssd
 from research.model.attention.retention import chunked_retention
 from research.model.attention.rwkv6 import chunked_rwkv6
 from research.model.attention.ssm import SCANS, chunked_selective_scan
-from research.model.positions import alibi_slopes
 from tests.conftest import tiny_model_config
 
 
@@ -87,13 +86,24 @@ def test_blockwise_equals_xla_forward_and_gradients_including_the_bias_parameter
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
 
 
-def test_xla_backend_equals_the_naive_reference():
-  q, k, v = _normal(0, (2, 13, 4, 8)), _normal(1, (2, 13, 2, 8)), _normal(2, (2, 13, 2, 8))
-  bias = jnp.asarray(alibi_slopes(4))[:, None, None] * -(
-      jnp.arange(13)[:, None] - jnp.arange(13)[None, :])
-  got = jax.nn.dot_product_attention(q, k, v, bias=bias[None], is_causal=True,
-                                     implementation="xla")
-  np.testing.assert_allclose(got, reference.softmax_attention(q, k, v, bias[None]), atol=1e-5)
+@pytest.mark.parametrize("window,sinks,packed", [(0, 0, False), (6, 2, True)])
+def test_xla_backend_equals_the_naive_reference(window, sinks, packed):
+  """The core's xla backend (the mask and bias it builds, then jax.nn.dot_product_attention)
+  against the reference with the mask built element by element; GQA, an ALiBi bias."""
+  length = 13
+  q = _normal(0, (2, length, 4, 8))
+  k, v = _normal(1, (2, length, 2, 8)), _normal(2, (2, length, 2, 8))
+  segments = jnp.array([[0] * 5 + [1] * 8, [0] * 2 + [1] * 11]) if packed else None
+  bias_fn, params = _bias_function("alibi", 4)
+  positions_BxT = jnp.arange(length)[None]
+  got = core.attend(q, k, v, inputs=positions_BxT, score_params=params, backend="xla",
+                    score_mod=core.ScoreMod(bias=bias_fn), segments_BxT=segments,
+                    mask=core.MaskSpec(window=window, sinks=sinks))
+  visible = _visible(jnp.zeros((2, length), jnp.int32) if segments is None else segments,
+                     window, sinks)
+  want = reference.softmax_attention(q, k, v, bias_fn(params, positions_BxT, positions_BxT),
+                                     mask_BxTxS=jnp.asarray(visible))
+  np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_blockwise_keeps_no_length_squared_residual():

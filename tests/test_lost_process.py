@@ -1,8 +1,10 @@
-"""A lost process in a multi-process run: the watchdog's rules on a stand-in for the coordination
-service's key-value store (fast, in-process), then a 2-process run (jax.distributed on localhost,
-gloo collectives on CPU) whose process 1 is killed: process 0 stops within seconds with one line
-naming it (research.training.lost_process.Watchdog), and relaunching both resumes to the parameters of
-an uninterrupted run, whose losses are those of the same run in one process."""
+"""A lost process in a multi-process run: the watchdog's rules and its one-line error on a
+stand-in for the coordination service's key-value store (fast, in-process), then a 2-process run
+(jax.distributed on localhost, gloo collectives on CPU) whose process 1 is killed: process 0
+stops within seconds, with the watchdog's line naming it (research.training.lost_process.Watchdog)
+or, when gloo finds a message of the killed peer half read, aborted by gloo itself (its own
+message; the test prints which happened), and relaunching both resumes to the parameters of an
+uninterrupted run, whose losses are those of the same run in one process."""
 
 import json
 import os

@@ -103,7 +103,7 @@ def _outputs_and_gradients(forward, mixer, x):
 
 @pytest.mark.parametrize("position,q_lora_rank,packed,backend", [
     ("rope", 12, True, "blockwise"),  # the low-rank query, packed documents, tiles of 8
-    ("t5", 0, True, "xla"),  # V2-Lite's direct query; a bias scheme with parameters of its own
+    ("t5", 0, False, "xla"),  # V2-Lite's direct query; a bias scheme with parameters; one document
 ])
 def test_mla_equals_a_naive_port_of_deepseek_v2_attention_with_gradients(position, q_lora_rank,
                                                                         packed, backend):

@@ -151,13 +151,23 @@ def test_yarn_matches_its_reference_code_written_out_by_hand():
 
 
 def test_yarn_temperature_is_applied_once_in_softmax_attention():
-  """softmax(m^2 q k^T / sqrt(d)): the same logits as plain RoPE with q scaled by m^2."""
-  s = 4.0
-  plain = research.build_model(tiny_model_config(attention="mha"), rngs=nnx.Rngs(0))
-  yarn = research.build_model(tiny_model_config(attention="mha", rope=dict(
-      scaling="yarn", scaling_factor=s)), rngs=nnx.Rngs(0))
-  mixer_plain, mixer_yarn = plain.blocks[0].mixer, yarn.blocks[0].mixer
-  assert mixer_yarn.scale() / mixer_plain.scale() == pytest.approx((0.1 * math.log(s) + 1) ** 2)
+  """softmax(m^2 (R_i q_i) . (R_j k_j) / sqrt(d)), R YaRN's rotation at its interpolated
+  frequencies and m = 0.1 ln s + 1 (arXiv:2309.00071, eq. 22): the mixer's attention weights
+  against that formula from its projections, so a temperature applied twice, or not at all,
+  fails (m^2 = 1.30 at s = 4)."""
+  s, length = 4.0, 9
+  mixer = research.build_model(tiny_model_config(attention="mha", rope=dict(
+      scaling="yarn", scaling_factor=s)), rngs=nnx.Rngs(0)).blocks[0].mixer
+  x = jax.random.normal(jax.random.key(3), (1, length, 32))
+  positions_1xL = 37 * jnp.arange(length)[None]
+  q = mixer.position.rotate(mixer.query(x), positions_1xL)
+  k = mixer.position.rotate(mixer.key(x), positions_1xL)
+  logits = (0.1 * math.log(s) + 1) ** 2 * jnp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(8)
+  expected = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((length, length), bool)), logits,
+                                      -jnp.inf), axis=-1)
+  np.testing.assert_allclose(mixer.attention_weights(x, positions_1xL), expected, atol=1e-5)
+  np.testing.assert_allclose(mixer.position.logit_scale(), (0.1 * math.log(s) + 1) ** 2,
+                             rtol=1e-6)
 
 
 def test_partial_rope_rotates_only_the_highest_frequencies():

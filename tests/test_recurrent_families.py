@@ -63,11 +63,12 @@ def _naive_delta_rule_mixer(mixer, x_BxLxD):
 
 @pytest.mark.parametrize("name,settings", [
     ("deltanet", dict(chunk_size=4, allow_neg_eigval=True)),
+    ("gated_deltanet", dict(chunk_size=4)),
     ("gated_deltaproduct", dict(chunk_size=4, num_householder=3))])
 def test_delta_rule_mixers_equal_the_token_by_token_reference_with_gradients(name, settings):
   """Chunks of 4 tokens over 21: the state crosses five chunk boundaries (12 delta-rule steps
-  per chunk for the product of 3). DeltaNet without gates and with beta in (0, 2); the product
-  with both gates (Gated DeltaNet's forward is the product's with one step)."""
+  per chunk for the product of 3). DeltaNet without gates and with beta in (0, 2); Gated DeltaNet
+  as registered (both gates, one step); the product with both gates and 3 steps."""
   mixer = _mixer(name, position="none", **{name: settings})
   assert mixer.num_steps == settings.get("num_householder", 1)
   _assert_mixer_equals_naive(mixer, _naive_delta_rule_mixer)

@@ -330,20 +330,33 @@ def test_lm_extrapolation_baselines_get_readable_distinct_labels(tmp_path):
 
 
 
+def _never_measured():
+  raise AssertionError("the peak was measured where it should not be")
+
+
 def test_members_run_at_once_share_an_accelerators_memory():
-  assert sweep.members_environment({"A": "1"}, 1) == {"A": "1"}
-  assert sweep.members_environment({}, 2) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"}
+  peak = "RESEARCH_PEAK_FLOPS"
+  assert sweep.members_environment({"A": "1"}, 1, _never_measured) == {"A": "1"}
+  assert sweep.members_environment({peak: "2.0"}, 2, _never_measured) == {
+      peak: "2.0", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"}
   for chosen in ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".2"},
                  {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}):
-    assert sweep.members_environment(chosen, 4) == chosen
+    assert sweep.members_environment({peak: "2.0", **chosen}, 4, _never_measured) == {
+        peak: "2.0", **chosen}
 
 
 def test_members_run_at_once_report_mfu_against_the_peak_measured_before_them(monkeypatch):
-  """experiments.run --parallel=N passes the peak it measured to the members: measured by each
-  while the others run, it would be a share of the machine's, and their MFU inflated."""
+  """experiments.run --parallel=N measures the peak once and passes it to the members, whose
+  total_peak_flops reads it: measured by each while the others run, it would be a share of the
+  machine's, and their MFU inflated. A peak the user set is passed on as it is."""
   from research.model import flops  # noqa: PLC0415
-  monkeypatch.setenv(flops.PEAK_ENV, "1.5e11")
+  measured = []
+  env = sweep.members_environment({}, 2, lambda: measured.append(1) or 1.5e11)
+  assert measured == [1] and env[flops.PEAK_ENV] == "150000000000.0"
+  monkeypatch.setenv(flops.PEAK_ENV, env[flops.PEAK_ENV])
   assert flops.total_peak_flops.__wrapped__() == 1.5e11
+  assert sweep.members_environment({flops.PEAK_ENV: "3e9"}, 2, _never_measured)[
+      flops.PEAK_ENV] == "3e9"
 
 
 def test_members_run_at_once_start_after_the_run_they_start_from():

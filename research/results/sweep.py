@@ -25,6 +25,7 @@ from research import defaults
 from research.training import checks
 from research.runs import config_fields
 from research.evaluation import extrapolation
+from research.model import flops
 from research.model import transformer as model_lib
 from research.training import loop as train
 from research.runs import lock as workdir_lock
@@ -312,13 +313,19 @@ def status(workdir, name):
     return json.load(f)
 
 
-def members_environment(environ, parallel):
-  """The members' environment: `parallel` members sharing one accelerator each reserve 0.9 /
-  parallel of its memory (JAX's default is 0.75 each), unless the user chose otherwise."""
+def members_environment(environ, parallel, peak_flops):
+  """The environment of members run `parallel` at a time (> 1) as subprocesses. Sharing one
+  accelerator, each reserves 0.9 / parallel of its memory (JAX's default is 0.75 each) unless the
+  user chose otherwise; and each reports MFU against `peak_flops()`, the machine's peak measured
+  here before they start (measured by each while the others run, it would be a share of the
+  machine's, and their MFU inflated), unless $RESEARCH_PEAK_FLOPS is set already."""
   env = dict(environ)
-  chosen = {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"} & set(env)
-  if parallel > 1 and not chosen:
+  if parallel <= 1:
+    return env
+  if not {"XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE"} & set(env):
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 / parallel:.3f}"
+  if not env.get(flops.PEAK_ENV):
+    env[flops.PEAK_ENV] = repr(peak_flops())
   return env
 
 
