@@ -1,7 +1,8 @@
-"""The tables that README.md and docs/ embed from the registries are current: what
-`python -m experiments.variants --write` would write is what is committed."""
-
+"""The docs are current: the tables README.md and docs/ embed from the registries are what
+`python -m experiments.variants --write` would write, and every relative link reaches its file
+and heading."""
 import os
+import re
 
 from research import defaults, variants
 from research.model import attention, positions
@@ -26,3 +27,42 @@ def test_embed_replaces_only_the_body_of_a_generated_block():
   text = "a\n<!-- generated:x (note) -->\nold\nrows\n<!-- /generated:x -->\nb"
   assert variants.embed(text, {"x": "new"}) == (
       "a\n<!-- generated:x (note) -->\nnew\n<!-- /generated:x -->\nb")
+
+
+def _slug(heading):
+  """GitHub's anchor of a Markdown heading: lower case, punctuation but - and _ dropped, each
+  space a hyphen."""
+  text = re.sub(r"[`*]|<[^>]+>", "", heading.strip().lower())
+  return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path):
+  with open(path) as f:
+    text = re.sub(r"```.*?```", "", f.read(), flags=re.S)  # no headings inside code blocks
+  return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_relative_links_in_the_docs_reach_a_file_and_a_heading():
+  """Every relative link of README.md, BENCHMARKS.md and docs/ names a file that exists and,
+  with #anchor into a Markdown page, a heading of it (README's example files excepted)."""
+  pages = ["README.md", "BENCHMARKS.md"] + [
+      os.path.relpath(os.path.join(folder, name), variants.ROOT)
+      for folder, _, names in os.walk(os.path.join(variants.ROOT, "docs"))
+      for name in names if name.endswith(".md")]
+  broken, checked = [], 0
+  for page in pages:
+    with open(os.path.join(variants.ROOT, page)) as f:
+      text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+      if re.match(r"[a-z]+:", target):  # http(s), mailto
+        continue
+      checked += 1
+      path, _, anchor = target.partition("#")
+      resolved = (os.path.normpath(os.path.join(os.path.dirname(page), path)) if path
+                  else page)
+      if not os.path.exists(os.path.join(variants.ROOT, resolved)):
+        broken.append(f"{page}: {target} (no file {resolved})")
+      elif anchor and resolved.endswith(".md") and anchor not in _anchors(
+          os.path.join(variants.ROOT, resolved)):
+        broken.append(f"{page}: {target} (no heading with anchor #{anchor})")
+  assert checked > 100 and broken == [], broken
