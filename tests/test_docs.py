@@ -1,6 +1,7 @@
 """The docs are current: the tables README.md and docs/ embed from the registries are what
 `python -m experiments.variants --write` would write, and every relative link reaches its file
 and heading."""
+
 import os
 import re
 
