@@ -1,7 +1,7 @@
 """The prepared accelerator check: one command, under 10 minutes on one GPU, a dated table.
 
   make accelerator-check     # = python -m experiments.accelerator_check --workdir=runs/accelerator_check
-  python -m experiments.accelerator_check --workdir=/tmp/check --dry_run   # the CPU parts, ~4 min
+  python -m experiments.accelerator_check --workdir=/tmp/check --dry_run   # the CPU parts, ~3 min
 
 Four steps, each a subprocess with its own time limit (a step that fails or runs out is
 reported as such and the next one runs):
