@@ -34,9 +34,9 @@ def _sweep(config, *extra):
   return ("experiments.run", f"--config={config}", "--workdir={dir}", "--parallel=2", *extra)
 
 
-# Whether retrieval, recall, an induction head or an algorithmic task (its length generalisation
-# included) forms in a quick preset's budget is an abrupt transition: those results are run over
-# three seeds, and their tables show the spread.
+# Whether retrieval, recall, an induction head or an algorithmic task is learned in a quick
+# preset's budget (and how far past the training length it holds) hinges on an abrupt transition:
+# those results are run over three seeds, and their tables show the spread.
 SEEDS = "--seeds=3"
 
 
