@@ -2,9 +2,8 @@
 
 A multi-head model is trained for N steps; its key and value heads are mean-pooled into GQA
 with K = 1 (MQA) and K = 2 key/value heads (train.init_from, research/training/init_from.py),
-evaluated as converted (0 steps), and uptrained for 5% of N steps (the paper's alpha = 0.05) with a
-fresh
-optimizer and the same recipe; GQA with the same K trained from scratch for 1.05 N steps is the
+evaluated as converted (0 steps), and uptrained for 5% of N steps (the paper's alpha = 0.05) with
+a fresh optimizer and the same recipe; GQA with the same K trained from scratch for 1.05 N steps is the
 equal-compute baseline. python -m experiments.analyze --analysis=uptraining then tabulates
 validation perplexity at the training length against decode-cache bytes.
 

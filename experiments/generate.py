@@ -8,11 +8,9 @@
 Greedy by default (--temperature=0). The prompt is prefilled in one pass, then each new token
 is one jitted decode step (research.evaluation.generate). Prints the prompt and its continuation,
 then the prefill and decode tokens/s (compilation excluded). Only settings that apply the same
-weights
-differently may be changed with --config (research.evaluation.generate.GENERATION_FIELDS); the
-run's own config.json gives everything else. Every check (the workdir, its checkpoint, the settings,
-the
-lengths) comes before anything is restored or compiled.
+weights differently may be changed with --config (research.evaluation.generate.GENERATION_FIELDS);
+the run's own config.json gives everything else. Every check (the workdir, its checkpoint, the
+settings, the lengths) comes before anything is restored or compiled.
 """
 
 from absl import flags

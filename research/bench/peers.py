@@ -3,14 +3,13 @@
 Cases, fp32, the same shapes, parameter counts and batches on both sides (research/bench/
 peers_torch.py is the PyTorch side):
   train        one training step of the training suite's reference model (mha + RoPE, 2 layers,
-               d_model 128, 4 heads, byte vocabulary, batch 32 x 128): the project's step (jax.jit
-               of value_and_grad and research.training.loop.make_optimizer's optax chain,
-               global-norm
-               clipping and AdamW, parameters and optimizer state donated: research.training.loop's
-               step without its metrics) against a nanoGPT-style PyTorch model
-               (F.scaled_dot_product_
-               attention(is_causal=True), clip_grad_norm_, torch.optim.AdamW), eager and
-               torch.compile'd (a failure to compile is recorded as skipped, with its reason);
+               d_model 128, 4 heads, byte vocabulary, batch 32 x 128): the project's step
+               (jax.jit of value_and_grad and research.training.loop.make_optimizer's optax
+               chain, global-norm clipping and AdamW, parameters and optimizer state donated:
+               research.training.loop's step without its metrics) against a nanoGPT-style
+               PyTorch model (F.scaled_dot_product_attention(is_causal=True), clip_grad_norm_,
+               torch.optim.AdamW), eager and torch.compile'd (a failure to compile is recorded
+               as skipped, with its reason);
   train_large  the same at 4 layers, d_model 512, 8 heads, batch 8 x 512, eager;
   attention    causal softmax attention fwd+bwd at 4096 tokens (batch 1, 8 heads, head_dim 64,
                the mixers suite's kernel shape): the project's xla and blockwise paths against
@@ -40,11 +39,12 @@ Eigen's threading on or off (left on, its default), and intra_op_parallelism_thr
 of XLA's compile options, not a flag.
 
 Host devices: XLA:CPU runs a loop (blockwise attention's tiles, a scan) on one thread, whatever
-the pool, so the suite also starts n host devices (XLA_FLAGS' --xla_force_host_platform_device_
-count=n, unless set) in that same pool and adds the rows `... over n devices`: the training step
-data-parallel over a (data=n) mesh of research.model.sharding (as the training loop runs on n
-devices), and blockwise attention with its heads split over the devices (jax.shard_map). The
-single-device rows run on device 0 as before; the n-device rows use the same n cores, not more.
+the pool, so the suite also starts n host devices
+(XLA_FLAGS' --xla_force_host_platform_device_count=n, unless set) in that same pool and adds the
+rows `... over n devices`: the training step data-parallel over a (data=n) mesh of
+research.model.sharding (as the training loop runs on n devices), and blockwise attention with
+its heads split over the devices (jax.shard_map). The single-device rows run on device 0; the
+n-device rows use the same n cores, not more.
 
 Timing (timing.turns_seconds): after a warm-up call of each implementation of a case, rounds
 that take one sample of each in turn, each sample after an idle gap (Settings.idle_seconds) in

@@ -20,8 +20,7 @@ make_eval_step is given num_classes (the MAD tasks, research.evaluation.extrapol
 The jitted step returns sums per row (window or example), so every metric also gets a 95%
 percentile bootstrap interval over rows (research.evaluation.bootstrap): loss = sum nll / sum
 tokens, perplexity = exp(loss), accuracy = sum correct / sum tokens, exact_match = rows entirely
-right /
-rows.
+right / rows.
 """
 
 import math

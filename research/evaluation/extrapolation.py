@@ -4,13 +4,13 @@ For each held-out split in config.eval.splits, length in config.eval.lengths and
 config.eval.modes, one row with loss, perplexity, accuracy and exact match, their 95% bootstrap
 intervals (research.evaluation.evaluate), the loss at each token position, and `state_bytes`: the
 decode state the model carries for one sequence of that length (model.cache_bytes: the KV cache of
-softmax attention, the fixed state of a recurrent mixer, over all layers). Needle tasks get one row per depth in config.eval.depths, each
-with
-its `depth`, and a row without a depth that pools every depth's examples; all of them record the
-evaluated `depths`. Runs with a rotary scheme (rope, xpos, prope) get extra rows for each scaling
-in config.eval.rope_scalings (PI, static / dynamic NTK, YaRN; research.model.positions.rope) at
-s = max(1, eval_length / train_length): the same weights, a different scaling, evaluated with
-non-overlapping windows. Tasks have a single mode (exact answers).
+softmax attention, the fixed state of a recurrent mixer, over all layers). Needle tasks get one
+row per depth in config.eval.depths, each with its `depth`, and a row without a depth that pools
+every depth's examples; all of them record the evaluated `depths`. Runs with a rotary scheme
+(rope, xpos, prope) get extra rows for each scaling in config.eval.rope_scalings (PI, static /
+dynamic NTK, YaRN; research.model.positions.rope) at s = max(1, eval_length / train_length): the
+same weights, a different scaling, evaluated with non-overlapping windows. Tasks have a single
+mode (exact answers).
 
 `evaluate_run` evaluates a run's newest readable complete checkpoint (research.runs.checkpoints)
 at the settings that its RUN/eval.json has no row for yet and appends their rows

@@ -358,8 +358,7 @@ def _size(module):
 def count_params(model, *, embeddings=True):
   """Number of parameters. embeddings=False counts only those used in matmuls per token (for
   FLOPs): without the token embedding table (unless tied: then it is the head), the position
-  schemes' parameters and the experts of
-  a mixture of experts that a token is not routed to."""
+  schemes' parameters and the experts of a mixture of experts that a token is not routed to."""
   total = _size(model)
   if embeddings:
     return total

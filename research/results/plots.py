@@ -1,11 +1,10 @@
 """Figures from results rows alone (research.results.report: one row per run x evaluation);
-research.results.report
-saves them (`save`) as
+research.results.report saves them (`save`) as
 
   extrapolation.png     perplexity (or task accuracy) against evaluation length, log axes with
                         plain-number ticks, the training length marked; one line per variant
-                        (mean over seeds), one panel per evaluation
-                        mode: the ALiBi paper's Figure 1 (arXiv:2108.12409) style.
+                        (mean over seeds), one panel per evaluation mode: the ALiBi paper's
+                        Figure 1 (arXiv:2108.12409) style.
   rope_scaling.png      the same for the RoPE runs under PI / NTK / YaRN scaling: a variant keeps
                         its colour, each scaling has its own line style.
                         In both, the band spans the seeds' values and each seed's 95% bootstrap
