@@ -107,9 +107,18 @@ FORBID_SKIPS = os.environ.get("RESEARCH_TESTS_FORBID_SKIPS") == "1"
 _SKIPPED = []
 
 
-def pytest_runtest_logreport(report):
-  if FORBID_SKIPS and report.skipped:  # under pytest-xdist, the controller sees every report
-    _SKIPPED.append(f"{report.nodeid}: {report.longrepr[-1] if report.longrepr else ''}")
+def _record_skip(report):
+  if FORBID_SKIPS and report.skipped and not hasattr(report, "wasxfail"):  # an xfail is not one
+    reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+    _SKIPPED.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report):  # under pytest-xdist, the controller sees every report
+  _record_skip(report)
+
+
+def pytest_collectreport(report):  # a module skipped as a whole (importorskip at its top)
+  _record_skip(report)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -45,7 +45,7 @@ def _anchors(path):
 
 def test_relative_links_in_the_docs_reach_a_file_and_a_heading():
   """Every relative link of README.md, BENCHMARKS.md and docs/ names a file that exists and,
-  with #anchor into a Markdown page, a heading of it (README's example files excepted)."""
+  with #anchor into a Markdown page, a heading of it (links inside fenced code are not links)."""
   pages = ["README.md", "BENCHMARKS.md"] + [
       os.path.relpath(os.path.join(folder, name), variants.ROOT)
       for folder, _, names in os.walk(os.path.join(variants.ROOT, "docs"))

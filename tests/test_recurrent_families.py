@@ -71,6 +71,7 @@ def test_delta_rule_mixers_equal_the_token_by_token_reference_with_gradients(nam
   as registered (both gates, one step); the product with both gates and 3 steps."""
   mixer = _mixer(name, position="none", **{name: settings})
   assert mixer.num_steps == settings.get("num_householder", 1)
+  assert mixer.forget_gate == mixer.output_gate == (name != "deltanet")
   _assert_mixer_equals_naive(mixer, _naive_delta_rule_mixer)
 
 

@@ -346,7 +346,8 @@ def test_members_run_at_once_share_an_accelerators_memory():
 
 
 def test_members_run_at_once_report_mfu_against_the_peak_measured_before_them(monkeypatch):
-  """experiments.run --parallel=N measures the peak once and passes it to the members, whose
+  """members_environment (which experiments.run --parallel=N calls with its environment from
+  before its own settings) measures the peak once and passes it to the members, whose
   total_peak_flops reads it: measured by each while the others run, it would be a share of the
   machine's, and their MFU inflated. A peak the user set is passed on as it is."""
   from research.model import flops  # noqa: PLC0415
