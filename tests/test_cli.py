@@ -13,8 +13,10 @@ def entry_points() -> list[str]:
   """Every module of experiments/ that runs as a command (found, not listed)."""
   names = []
   for filename in sorted(os.listdir(os.path.join(ROOT, "experiments"))):
+    if not filename.endswith(".py"):  # __pycache__ and the like
+      continue
     with open(os.path.join(ROOT, "experiments", filename)) as f:
-      if filename.endswith(".py") and 'if __name__ == "__main__":' in f.read():
+      if 'if __name__ == "__main__":' in f.read():
         names.append(filename[:-3])
   return names
 
