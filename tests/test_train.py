@@ -354,10 +354,12 @@ def test_orbax_async_save_failures_log_one_line_without_a_traceback():
   import re
 
   from orbax.checkpoint._src.futures import future
+  from orbax.checkpoint._src.metadata import checkpoint as metadata_checkpoint
   from research.runs import checkpoints
 
   source = re.sub(r"'\s*'", "", inspect.getsource(future))  # joins implicit concatenations
   assert checkpoints.ASYNC_FAILURE_LOG in source
+  assert checkpoints.METADATA_FAILURE_LOG in inspect.getsource(metadata_checkpoint)
   checkpoints._quiet_async_failures()
   checkpoints._quiet_async_failures()  # idempotent: one filter
   absl_logger = logging.getLogger("absl")
@@ -368,9 +370,11 @@ def test_orbax_async_save_failures_log_one_line_without_a_traceback():
   except OSError:
     exc_info = sys.exc_info()
   records = [logging.LogRecord("absl", logging.ERROR, __file__, 1, message, ("x",), exc_info)
-             for message in (f"[thread=1] {checkpoints.ASYNC_FAILURE_LOG}: %s", "another: %s")]
-  assert all(filters[0].filter(record) for record in records)  # both lines are kept
+             for message in (f"[thread=1] {checkpoints.ASYNC_FAILURE_LOG}: %s", "another: %s",
+                             f"{checkpoints.METADATA_FAILURE_LOG}%s path=%s: %s")]
+  assert all(filters[0].filter(record) for record in records)  # every line is kept
   assert records[0].exc_info is None and records[1].exc_info is exc_info
+  assert records[2].exc_info is None
   assert "Traceback" not in logging.Formatter().format(records[0])
 
 

@@ -71,13 +71,16 @@ def steps(workdir: str) -> list[int]:
 # (orbax/checkpoint/_src/futures/future.py, _SignalingThread.run); `save` or `wait` then raise
 # the same error here as CheckpointWriteError.
 ASYNC_FAILURE_LOG = "_SignalingThread.run() raised an exception"
+METADATA_FAILURE_LOG = "Failed to write metadata="  # orbax's metadata writer thread, the same
 
 
 class _WithoutAsyncTraceback(logging.Filter):
-  """Keeps orbax's line about a failed asynchronous save, drops its traceback."""
+  """Keeps orbax's lines about a failed asynchronous save (its signalling thread's, its metadata
+  writer's), drops their tracebacks."""
 
   def filter(self, record):
-    if record.exc_info and ASYNC_FAILURE_LOG in str(record.msg):
+    if record.exc_info and any(phrase in str(record.msg)
+                               for phrase in (ASYNC_FAILURE_LOG, METADATA_FAILURE_LOG)):
       record.exc_info, record.exc_text = None, None
     return True
 
