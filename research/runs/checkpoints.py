@@ -72,6 +72,7 @@ def steps(workdir: str) -> list[int]:
 # the same error here as CheckpointWriteError.
 ASYNC_FAILURE_LOG = "_SignalingThread.run() raised an exception"
 METADATA_FAILURE_LOG = "Failed to write metadata="  # orbax's metadata writer thread, the same
+COMMIT_FAILURE_LOG = "Handler Commit operations"  # and its background commit thread
 
 
 class _WithoutAsyncTraceback(logging.Filter):
@@ -80,7 +81,8 @@ class _WithoutAsyncTraceback(logging.Filter):
 
   def filter(self, record):
     if record.exc_info and any(phrase in str(record.msg)
-                               for phrase in (ASYNC_FAILURE_LOG, METADATA_FAILURE_LOG)):
+                               for phrase in (ASYNC_FAILURE_LOG, METADATA_FAILURE_LOG,
+                                              COMMIT_FAILURE_LOG)):
       record.exc_info, record.exc_text = None, None
     return True
 
