@@ -2,6 +2,7 @@
 `python -m experiments.variants --write` would write, and every relative link reaches its file
 and heading."""
 
+import functools
 import os
 import re
 
@@ -37,10 +38,15 @@ def _slug(heading):
   return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
+def _without_code(path):
+  """A Markdown page without its fenced code blocks (no headings or links in them)."""
+  with open(os.path.join(variants.ROOT, path)) as f:
+    return re.sub(r"```.*?```", "", f.read(), flags=re.S)
+
+
+@functools.cache  # a page is read once, however many links point into it
 def _anchors(path):
-  with open(path) as f:
-    text = re.sub(r"```.*?```", "", f.read(), flags=re.S)  # no headings inside code blocks
-  return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+  return {_slug(h) for h in re.findall(r"^#{1,6} (.+)$", _without_code(path), flags=re.M)}
 
 
 def test_relative_links_in_the_docs_reach_a_file_and_a_heading():
@@ -52,9 +58,7 @@ def test_relative_links_in_the_docs_reach_a_file_and_a_heading():
       for name in names if name.endswith(".md")]
   broken, checked = [], 0
   for page in pages:
-    with open(os.path.join(variants.ROOT, page)) as f:
-      text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+    for target in re.findall(r"\]\(([^)\s]+)\)", _without_code(page)):
       if re.match(r"[a-z]+:", target):  # http(s), mailto
         continue
       checked += 1
@@ -63,7 +67,6 @@ def test_relative_links_in_the_docs_reach_a_file_and_a_heading():
                   else page)
       if not os.path.exists(os.path.join(variants.ROOT, resolved)):
         broken.append(f"{page}: {target} (no file {resolved})")
-      elif anchor and resolved.endswith(".md") and anchor not in _anchors(
-          os.path.join(variants.ROOT, resolved)):
+      elif anchor and resolved.endswith(".md") and anchor not in _anchors(resolved):
         broken.append(f"{page}: {target} (no heading with anchor #{anchor})")
   assert checked > 100 and broken == [], broken

@@ -14,6 +14,7 @@ import types
 import pytest
 
 from research.model import attention
+from research.model import flops
 from research import data
 from research.evaluation import results as eval_results
 from research.results import report
@@ -335,7 +336,7 @@ def _never_measured():
 
 
 def test_members_run_at_once_share_an_accelerators_memory():
-  peak = "RESEARCH_PEAK_FLOPS"
+  peak = flops.PEAK_ENV
   assert sweep.members_environment({"A": "1"}, 1, _never_measured) == {"A": "1"}
   assert sweep.members_environment({peak: "2.0"}, 2, _never_measured) == {
       peak: "2.0", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"}
@@ -350,7 +351,6 @@ def test_members_run_at_once_report_mfu_against_the_peak_measured_before_them(mo
   before its own settings) measures the peak once and passes it to the members, whose
   total_peak_flops reads it: measured by each while the others run, it would be a share of the
   machine's, and their MFU inflated. A peak the user set is passed on as it is."""
-  from research.model import flops  # noqa: PLC0415
   measured = []
   env = sweep.members_environment({}, 2, lambda: measured.append(1) or 1.5e11)
   assert measured == [1] and env[flops.PEAK_ENV] == "150000000000.0"

@@ -349,18 +349,19 @@ _DISK_FAULTS = textwrap.dedent("""
 def test_orbax_async_save_failures_log_one_line_without_a_traceback():
   """A save failing in orbax's writing thread (the disk filled during the write) is logged there
   with its traceback before the run reports it in one line: the manager's filter keeps the log
-  line and drops the traceback. The phrase it keys on is in the installed orbax."""
+  line and drops the traceback. The phrases it keys on are in the installed orbax."""
   import inspect
   import logging
-  import re
 
+  from orbax.checkpoint._src.checkpointers import async_checkpointer
   from orbax.checkpoint._src.futures import future
   from orbax.checkpoint._src.metadata import checkpoint as metadata_checkpoint
   from research.runs import checkpoints
 
-  source = re.sub(r"'\s*'", "", inspect.getsource(future))  # joins implicit concatenations
-  assert checkpoints.ASYNC_FAILURE_LOG in source
-  assert checkpoints.METADATA_FAILURE_LOG in inspect.getsource(metadata_checkpoint)
+  for phrase, module in zip(checkpoints.FAILURE_LOGS,
+                            (future, metadata_checkpoint, async_checkpointer), strict=True):
+    source = re.sub(r"'\s*'", "", inspect.getsource(module))  # joins implicit concatenations
+    assert phrase in source, (phrase, module.__name__)
   checkpoints._quiet_async_failures()
   checkpoints._quiet_async_failures()  # idempotent: one filter
   absl_logger = logging.getLogger("absl")
@@ -372,10 +373,11 @@ def test_orbax_async_save_failures_log_one_line_without_a_traceback():
     exc_info = sys.exc_info()
   records = [logging.LogRecord("absl", logging.ERROR, __file__, 1, message, ("x",), exc_info)
              for message in (f"[thread=1] {checkpoints.ASYNC_FAILURE_LOG}: %s", "another: %s",
-                             f"{checkpoints.METADATA_FAILURE_LOG}%s path=%s: %s")]
+                             f"{checkpoints.METADATA_FAILURE_LOG}%s path=%s: %s",
+                             f"Failed to run 2 {checkpoints.COMMIT_FAILURE_LOG}: %s")]
   assert all(filters[0].filter(record) for record in records)  # every line is kept
   assert records[0].exc_info is None and records[1].exc_info is exc_info
-  assert records[2].exc_info is None
+  assert records[2].exc_info is None and records[3].exc_info is None
   assert "Traceback" not in logging.Formatter().format(records[0])
 
 

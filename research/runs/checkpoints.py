@@ -67,22 +67,21 @@ def steps(workdir: str) -> list[int]:
   return sorted(ocp.utils.checkpoint_steps(directory(workdir)))
 
 
-# What orbax's writing thread logs, with the traceback, when an asynchronous save fails
-# (orbax/checkpoint/_src/futures/future.py, _SignalingThread.run); `save` or `wait` then raise
-# the same error here as CheckpointWriteError.
-ASYNC_FAILURE_LOG = "_SignalingThread.run() raised an exception"
-METADATA_FAILURE_LOG = "Failed to write metadata="  # orbax's metadata writer thread, the same
-COMMIT_FAILURE_LOG = "Handler Commit operations"  # and its background commit thread
+# What orbax's background threads log, with the traceback, when an asynchronous save fails;
+# `save` or `wait` then raise the same error here as CheckpointWriteError. Each phrase is checked
+# against the installed orbax's source (tests/test_train.py).
+ASYNC_FAILURE_LOG = "_SignalingThread.run() raised an exception"  # _src/futures/future.py
+METADATA_FAILURE_LOG = "Failed to write metadata="  # _src/metadata/checkpoint.py
+COMMIT_FAILURE_LOG = "Handler Commit operations"  # _src/checkpointers/async_checkpointer.py
+FAILURE_LOGS = (ASYNC_FAILURE_LOG, METADATA_FAILURE_LOG, COMMIT_FAILURE_LOG)
 
 
 class _WithoutAsyncTraceback(logging.Filter):
-  """Keeps orbax's lines about a failed asynchronous save (its signalling thread's, its metadata
-  writer's), drops their tracebacks."""
+  """Keeps orbax's lines about a failed asynchronous save (FAILURE_LOGS), drops their
+  tracebacks."""
 
   def filter(self, record):
-    if record.exc_info and any(phrase in str(record.msg)
-                               for phrase in (ASYNC_FAILURE_LOG, METADATA_FAILURE_LOG,
-                                              COMMIT_FAILURE_LOG)):
+    if record.exc_info and any(phrase in str(record.msg) for phrase in FAILURE_LOGS):
       record.exc_info, record.exc_text = None, None
     return True
 
