@@ -15,9 +15,14 @@ import ml_collections
 
 from research import variants
 
+# The schema's version, saved with every run; a change that renames, moves or reshapes a field
+# bumps it and says how to read the older schema (research/runs/migrations.py).
+VERSION = 2
+
 
 def get_config():
   config = ml_collections.ConfigDict()
+  config.version = VERSION
 
   config.model = ml_collections.ConfigDict()
   m = config.model

@@ -4,10 +4,11 @@ every feed-forward.
 Adding a variant to research.model.attention.REGISTRY (or a scheme to
 research.model.positions.REGISTRY) adds it here: shapes and dtypes, causality, finite gradients,
 prefill in chunks then decode == full forward (state carried across chunks), a packed row of
-documents == each document alone, and the same logits under an 8-device mesh with the sharding rules
-(for each mixer, each scheme and each feed-forward: what sharding depends on). Softmax attention
-also runs with a sliding window and sinks (the rolling decode cache). Each feed-forward besides the
-MLP (research.model.feed_forward.REGISTRY) runs once, with the first mixer.
+documents == each document alone, and the same logits under an 8-device mesh with the sharding
+rules (for each mixer, each scheme and each feed-forward: what sharding depends on). Every mixer
+that supports a sliding window also runs with one, with and without sinks (the rolling decode
+cache). Each feed-forward besides the MLP (research.model.feed_forward.REGISTRY) runs once, with
+the first mixer.
 """
 
 import functools
@@ -37,11 +38,30 @@ CPU_BACKENDS = ("xla", "blockwise")
 # chunk boundaries, and one is a single token.
 SEGMENTS = np.array([[0] * 6 + [1] * 9 + [2] * 4, [0] * 3 + [1] * 16, [0] * 19,
                      [0] * 8 + [1] + [2] * 10], np.int32)
-# Softmax attention with a sliding window of 5 keys (and 2 sinks): whole tiles of 8 are skipped,
-# and the rolling decode cache of sinks + window slots wraps around.
-WINDOWED = [("mha", "rope", "xla", (5, 2)), ("mha", "alibi", "blockwise", (5, 2)),
-            ("gqa", "t5", "blockwise", (5, 0)), ("mqa", "none", "xla", (5, 0)),
-            ("fox", "none", "blockwise", (5, 2))]
+# A sliding window of 5 keys (with 2 sinks or none): whole tiles of 8 are skipped, and the
+# rolling decode cache of sinks + window slots wraps around.
+WINDOW = 5
+WINDOW_POSITIONS = ("rope", "alibi", "t5", "none")  # a rotation, biases, and no scheme, in turn
+
+
+def _windowed():
+  """(mixer, scheme, backend, (window, sinks)) for every mixer that supports a sliding window
+  (Mixer.supports_sliding_window): the schemes, CPU backends and sinks in turn, and the first
+  mixer once more with ALiBi's bias on blockwise tiles."""
+  cases = []
+  names = [name for name, cls in attention.REGISTRY.items() if cls.supports_sliding_window]
+  for index, name in enumerate(names):
+    cls = attention.REGISTRY[name]
+    schemes = [p for p in WINDOW_POSITIONS if p in model_lib.compatible_positions(cls)]
+    backends = [b for b in cls.backends if b in CPU_BACKENDS]
+    cases.append((name, schemes[index % len(schemes)], backends[index % len(backends)],
+                  (WINDOW, 2 if index % 2 == 0 else 0)))
+  if names:
+    cases.append((names[0], "alibi", "blockwise", (WINDOW, 2)))
+  return cases
+
+
+WINDOWED = _windowed()
 
 
 def _applies(mixer_cls, position):
@@ -117,7 +137,8 @@ def _compiled(name, position, backend, window=None, feed_forward="mlp"):
   the forward pass (compiled on the mesh by the SHARDED variants only); and decoding a whole
   batch from an empty cache, in two prefill chunks then one token at a time (logits, final cache
   index). Two programs per variant on one device (compiling dominates the suite's time)."""
-  settings = {} if window is None else {"softmax": dict(window=window[0], sinks=window[1])}
+  settings = ({} if window is None else
+              {attention.REGISTRY.settings_key(name): dict(window=window[0], sinks=window[1])})
   config = tiny_model_config(attention=name, position=position, feed_forward=feed_forward,
                              attention_backend=backend or "xla", **settings)
   graphdef, state = nnx.split(research.build_model(config, rngs=nnx.Rngs(0)))

@@ -101,7 +101,8 @@ def test_a_fresh_table_attends_as_without_positions():
   def mixer(position):
     config = tiny_model_config(position=position, attention_backend="xla")
     settings = attention.REGISTRY.settings("mha", config)
-    return attention.REGISTRY["mha"](settings, config, positions.build(config, rngs=nnx.Rngs(1)),
+    return attention.REGISTRY["mha"](settings, config,
+                                     attention.position_scheme(config, rngs=nnx.Rngs(1)),
                                      rngs=nnx.Rngs(0))
   x, positions_BxL = _normal(2, (2, 37, 32)), jnp.arange(37)[None]
   np.testing.assert_allclose(mixer("cope")(x, positions_BxL, SEGMENTS_37),

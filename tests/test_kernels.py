@@ -38,10 +38,10 @@ def blockwise_attention(q, k, v, inputs=None, bias_fn=None, params=(), *, block_
 
 def _bias_function(name, heads):
   """The bias of scheme `name` as (bias_fn(params, q_positions, k_positions), params)."""
-  scheme = positions.build(tiny_model_config(position=name, num_heads=heads, d_model=8 * heads,
-                                             t5=dict(num_buckets=8, max_distance=16),
-                                             fire=dict(init_threshold=6.0)),
-                           rngs=nnx.Rngs(0))
+  scheme = attention.position_scheme(
+      tiny_model_config(position=name, num_heads=heads, d_model=8 * heads,
+                        t5=dict(num_buckets=8, max_distance=16), fire=dict(init_threshold=6.0)),
+      rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(scheme)
   return (lambda p, q_positions, k_positions:
           nnx.merge(graphdef, p).bias(q_positions, k_positions)), params
@@ -121,7 +121,7 @@ def test_chunked_linear_equals_materialised_cumsum(feature_map, use_rope):
   b, length, n, h = 2, 21, 2, 8
   q, k, v = (_normal(i, (b, length, n, h)) for i in range(3))
   state = (jnp.zeros((b, n, h, h)), jnp.zeros((b, n, h)))
-  rope = positions.build(tiny_model_config(d_model=16, num_heads=2), rngs=nnx.Rngs(0))
+  rope = attention.position_scheme(tiny_model_config(d_model=16, num_heads=2), rngs=nnx.Rngs(0))
   rotate = (lambda x: rope.rotate(x, jnp.arange(length)[None])) if use_rope else None
   got, (s, z) = jax.jit(lambda q, k, v: chunked_linear_attention(
       q, k, v, state, feature_map=feature_map, chunk_size=8, transform_q=rotate,
@@ -477,7 +477,8 @@ def _mixer(name, **overrides):
   """The registered mixer `name` alone, built from the tiny test config with `overrides`."""
   config = tiny_model_config(attention=name, **overrides)
   return attention.REGISTRY[name](attention.REGISTRY.settings(name, config), config,
-                                  positions.build(config, rngs=nnx.Rngs(1)), rngs=nnx.Rngs(0))
+                                  attention.position_scheme(config, rngs=nnx.Rngs(1)),
+                                  rngs=nnx.Rngs(0))
 
 
 def _outputs_and_gradients(forward, mixer, x):

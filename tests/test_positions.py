@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import research
-from research.model import positions
+from research.model import attention, positions
 from research.model.positions import alibi_slopes, rope
 from tests.conftest import tiny_model_config
 
@@ -20,8 +20,7 @@ def _scheme(name, **settings):
   """Scheme `name` for a d_model 32, 2-head model, with settings overriding its defaults."""
   config = tiny_model_config(d_model=D_MODEL, num_heads=HEADS, position=name,
                              **({positions.REGISTRY.settings_key(name): settings} if settings else {}))
-  positions.validate(config)
-  return positions.build(config, rngs=nnx.Rngs(0))
+  return attention.position_scheme(config, rngs=nnx.Rngs(0))
 
 
 def _grid(n):

@@ -51,7 +51,7 @@ def test_kerple_parameter_below_the_floor_learns_with_the_gradient_at_the_floor(
   """Stored values below 0.01 (r1 of head 1, r2 of head 0): the bias of 0.01 and the gradient
   the authors' code gives there, nonzero, where jnp.maximum gave exactly 0."""
   config = tiny_model_config(position="kerple")
-  scheme = positions.build(config, rngs=nnx.Rngs(0))
+  scheme = research.model.attention.position_scheme(config, rngs=nnx.Rngs(0))
   r1, r2 = np.array([0.5, 0.004, 1.2, 0.01]), np.array([0.003, 0.3, -0.2, 0.7])
   scheme.r1[...], scheme.r2[...] = jnp.asarray(r1, jnp.float32), jnp.asarray(r2, jnp.float32)
   length = 7
@@ -178,7 +178,8 @@ def test_retention_output_projection_is_xavier_uniform_with_gain_one_half():
   config = tiny_model_config(attention="retention", position="none", d_model=64, num_heads=4)
   settings = research.model.attention.REGISTRY.settings("retention", config)
   mixer = retention.Retention(settings, config,
-                              positions.build(config, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(0))
+                              research.model.attention.position_scheme(config, rngs=nnx.Rngs(0)),
+                              rngs=nnx.Rngs(0))
   kernel = np.asarray(mixer.out.kernel[...])
   assert kernel.shape == (4, 16, 64)
   bound = 2 ** -1 * math.sqrt(6 / (64 + 64))

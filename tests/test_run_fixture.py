@@ -1,18 +1,23 @@
 """A run directory written by an earlier version of the code (tests/fixtures/run_e4f910a: a tiny
 GQA / ALiBi run trained and evaluated at commit e4f910a, before the attention core and the
 package layout) still loads: its config over today's defaults, its checkpoint into today's
-model, which gives the logits that code computed, and its eval.json rows."""
+model, which gives the logits that code computed, and its eval.json rows; and a config of an
+older schema version is migrated (research/runs/migrations.py) before it is read."""
 
+import json
 import os
 import shutil
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import research
+from research import defaults
 from research.evaluation import results as eval_results
-from research.runs import checkpoints, config_fields
+from research.runs import checkpoints, config_fields, migrations
+from research.training import checks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "run_e4f910a")
 
@@ -34,3 +39,78 @@ def test_a_run_written_before_the_refactor_loads_and_computes_the_same_logits(tm
   assert {(r["eval_length"], r["eval_mode"]) for r in rows} >= {(64, "nonoverlapping"),
                                                                 (64, "sliding")}
   assert all(np.isfinite(r["loss"]) for r in rows)
+
+
+def _nested(flat):
+  """{"a": {"b": 1}} from {"a.b": 1}."""
+  nested = {}
+  for name, value in flat.items():
+    *sections, field = name.split(".")
+    node = nested
+    for section in sections:
+      node = node.setdefault(section, {})
+    node[field] = value
+  return nested
+
+
+def test_a_config_of_an_older_schema_is_migrated_before_it_is_read(monkeypatch, tmp_path):
+  """A schema change (version 3 here: num_kv_heads renamed, the learning rate moved to another
+  section, warmup given as a fraction of the steps) with its Migration: the fixture's config
+  written in the older form loads as the fixture itself does and trains the same run."""
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    saved = defaults.flatten(json.load(f))
+  expected = config_fields.load_saved(FIXTURE)
+  older = {"version": 2, **saved}
+  older["model.kv_heads"] = older.pop("model.num_kv_heads")
+  older["optimizer.lr"] = older.pop("train.learning_rate")
+  older["train.warmup_fraction"] = older.pop("train.warmup_steps") / older["train.num_steps"]
+
+  def warmup_in_steps(flat):
+    flat = dict(flat)
+    flat["train.warmup_steps"] = round(flat.pop("train.warmup_fraction") * flat["train.num_steps"])
+    return flat
+
+  monkeypatch.setattr(defaults, "VERSION", 3)
+  monkeypatch.setattr(migrations, "MIGRATIONS", (*migrations.MIGRATIONS, migrations.Migration(
+      3, "a test's", moved={"model.kv_heads": "model.num_kv_heads",
+                            "optimizer.lr": "train.learning_rate"}, convert=warmup_in_steps)))
+  with pytest.raises(ValueError, match=r"fields this code does not know \(model.kv_heads, "
+                                       r"optimizer.lr, train.warmup_fraction\)"):
+    config_fields.merge_saved(_nested({**older, "version": 3}), "unmigrated")  # as version 3
+  loaded = config_fields.merge_saved(_nested(older), "older.json")
+  assert loaded.version == 3
+  expected.version = 3
+  assert defaults.flatten(loaded) == defaults.flatten(expected)
+  assert config_fields.training_differences(_nested(older), loaded) == []
+  loaded.train.learning_rate *= 2
+  assert config_fields.training_differences(_nested(older), loaded) == [
+      f"train.learning_rate: {expected.train.learning_rate!r} -> "
+      f"{expected.train.learning_rate * 2!r}"]
+
+
+def test_a_config_of_a_newer_schema_or_a_field_in_both_forms_is_refused():
+  with open(os.path.join(FIXTURE, "config.json")) as f:
+    saved = json.load(f)
+  with pytest.raises(ValueError, match=rf"config version 99; this code reads versions "
+                                       rf"1..{defaults.VERSION}"):
+    config_fields.merge_saved({**saved, "version": 99}, "newer.json")
+  config = defaults.get_config()
+  config.version = 1
+  with pytest.raises(ValueError, match=rf"version=1 must be {defaults.VERSION}"):
+    checks.check_fields(config)
+  both = {"version": 1, "old.name": 1, "new.name": 2}
+  table = (migrations.Migration(2, "a test's", moved={"old.name": "new.name"}),)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(migrations, "MIGRATIONS", table)
+    with pytest.raises(ValueError, match="has both 'old.name' and 'new.name'"):
+      migrations.migrate(both, "both.json")
+
+
+def test_the_migration_table_covers_every_version_and_moves_to_fields_that_exist():
+  assert [m.version for m in migrations.MIGRATIONS] == list(range(2, defaults.VERSION + 1))
+  assert defaults.get_config().version == defaults.VERSION
+  fields = set(defaults.flatten(defaults.get_config()))
+  moved_later = set()
+  for migration in reversed(migrations.MIGRATIONS):
+    assert set(migration.moved.values()) <= fields | moved_later, migration
+    moved_later |= set(migration.moved)

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research import defaults
+from research.model import attention
 from research.model import positions
 from research.model.attention import reference
 from research.model.attention import core
@@ -84,7 +85,7 @@ def _bias_kernel(name):
   """blockwise attention with scheme `name`'s score bias, at its default settings."""
   config = defaults.get_config().model
   config.update(dict(position=name, num_heads=HEADS, d_model=HEADS * HEAD_DIM))
-  graphdef, params = nnx.split(positions.build(config, rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(attention.position_scheme(config, rngs=nnx.Rngs(0)))
 
   def bias_fn(p, q_positions, k_positions):
     return nnx.merge(graphdef, p).bias(q_positions, k_positions)

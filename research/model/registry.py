@@ -67,15 +67,22 @@ class Registry(dict):
 
   def test_settings(self):
     """{settings key: the small settings of the conformance suite} of every entry that declares
-    them (`test_settings`); entries sharing a key share them (the first one's)."""
-    out = {}
+    them (`test_settings`); entries sharing a key share them, and must not declare different
+    ones (the suite builds them all from one sub-dict)."""
+    out, declared_by = {}, {}
     for name, cls in self.items():
       if cls.test_settings:
         unknown = set(cls.test_settings) - set(cls.hyperparameters)
         if unknown:
           raise ValueError(f"{self.what} {name!r} declares test_settings {sorted(unknown)} that "
                            f"are not among its hyperparameters {sorted(cls.hyperparameters)}")
-        out.setdefault(self.settings_key(name), dict(cls.test_settings))
+        key = self.settings_key(name)
+        if key in out and out[key] != dict(cls.test_settings):
+          raise ValueError(f"{self.what} {name!r} declares test_settings {cls.test_settings} for "
+                           f"model.{key}, which {declared_by[key]!r} declares as {out[key]}; "
+                           "entries that share settings share their test settings")
+        out.setdefault(key, dict(cls.test_settings))
+        declared_by.setdefault(key, name)
     return out
 
   def default_settings(self):

@@ -85,6 +85,17 @@ def position_geometries(model_config):
   return geometries
 
 
+def scheme_geometries(model_config):
+  """The geometries the position scheme is built and validated for: those of the layers that
+  use it, or, where none does (a hybrid of recurrent layers only), the first layer's own."""
+  used = [g for g in position_geometries(model_config) if g]
+  if used:
+    return used
+  name = layer_types(model_config)[0]
+  return [attention.REGISTRY.lookup(name).position_geometry(
+      attention.REGISTRY.settings(name, model_config), model_config, 0)]
+
+
 def validate(model_config):
   """Raise ValueError naming what is wrong and what is valid; builds nothing."""
   types = layer_types(model_config)
@@ -115,7 +126,7 @@ def validate(model_config):
           f"the {' and '.join(missing)} hook, which {name!r} cannot honour); compatible "
           f"positions: {', '.join(compatible_positions(mixer_cls))}")
     mixer_cls.validate(attention.REGISTRY.settings(name, model_config), model_config)
-  positions_lib.validate(model_config, [g for g in position_geometries(model_config) if g])
+  positions_lib.validate(model_config, scheme_geometries(model_config))
 
 
 def validate_lengths(model_config, train_length, eval_lengths):
@@ -207,7 +218,7 @@ class LanguageModel(nnx.Module):
 
     # A shared scheme (of the first attention layer's geometry) also owns the embedding term; it
     # is built first, so that parameters are drawn in the order they always were.
-    first = next((g for g in geometries if g), positions_lib.Geometry.of_model(model_config))
+    first = scheme_geometries(model_config)[0]
     self.position = scheme_for(first) if scheme.shared_across_layers else None
     self.embed = nn.embed(model_config.vocab_size, d, ("vocab", "embed"), rngs=rngs, dtype=dtype,
                           stddev=1.0)

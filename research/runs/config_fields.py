@@ -31,6 +31,7 @@ from research import defaults
 from research.model import positions
 from research import variants
 from research.defaults import flatten  # noqa: F401 (config_fields.flatten, as before)
+from research.runs import migrations
 from research.runs import unread
 
 ROTARY_SCALING_FIELDS = tuple(
@@ -84,7 +85,8 @@ def training_differences(saved: Mapping, current: ml_collections.ConfigDict) -> 
   """'field: saved -> current' for every field that changes training and differs between a saved
   config (the nested dict of a config.json) and `current`; empty if they train the same run."""
   not_read = unread.not_read(current)
-  saved, current, default = flatten(saved), flatten(current), flatten(defaults.get_config())
+  saved = migrations.migrate(flatten(saved), "the saved config")
+  current, default = flatten(current), flatten(defaults.get_config())
   default.update(predated_values(saved))
   differences = []
   for name in sorted(saved.keys() | current.keys()):
@@ -114,13 +116,14 @@ def load_saved(run_dir: str) -> ml_collections.ConfigDict:
 def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
   """A saved config (nested dict, read from `source`) over the current defaults, so fields that
   it predates take their defaults (see training_differences), without the settings its run did
-  not read."""
-  saved = flatten(saved)
+  not read; one of an older schema version is migrated first (research/runs/migrations.py)."""
+  saved = migrations.migrate(flatten(saved), source)
   config = defaults.get_config()
   unknown = sorted(saved.keys() - flatten(config).keys())
   if unknown:
     raise ValueError(f"{source} has fields this code does not know ({', '.join(unknown)}); use "
-                     "the version of the code that wrote it")
+                     "the code that wrote it, or, where the field was renamed or moved, say so "
+                     "in research/runs/migrations.py")
   # predated_values: what the run computed before a field it lacks existed.
   for name, value in {**saved, **predated_values(saved)}.items():
     *sections, field = name.split(".")

@@ -17,8 +17,11 @@ from research.model import transformer as model_lib
 from research.model import positions
 from research.model import sharding
 
-# Scalar train and eval fields: (field, is the value valid, what is valid).
+# Scalar fields: (field, is the value valid, what is valid).
 FIELD_RULES = (
+    ("version", lambda v: v == defaults.VERSION,
+     f"{defaults.VERSION}, this code's config schema (set by the code: a saved run of an older "
+     "one is migrated when read, research/runs/migrations.py)"),
     ("train.num_steps", lambda v: v >= 0, ">= 1 (0 only with train.init_from)"),
     ("train.batch_size", lambda v: v >= 1, ">= 1"),
     ("train.seq_len", lambda v: v >= 1, ">= 1"),
@@ -41,7 +44,7 @@ FIELD_RULES = (
 
 
 def check_fields(config: ml_collections.ConfigDict, flat=None):
-  """Raise ValueError naming every train/eval field of FIELD_RULES out of its range.
+  """Raise ValueError naming every field of FIELD_RULES out of its range.
   `flat`: defaults.flatten(config), where the caller has it."""
   values = config_fields.flatten(config) if flat is None else flat
   problems = [f"{field}={values[field]!r} must be {valid}"

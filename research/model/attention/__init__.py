@@ -27,6 +27,7 @@ from research.model.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
 from research.model.attention.sparse import SparseAttention
 from research.model.attention.ssm import Mamba
 from research.model.attention.stickbreaking import StickBreakingAttention
+from research.model import positions
 from research.model.registry import Registry
 
 REGISTRY = Registry("attention type", "model.attention")
@@ -53,3 +54,14 @@ REGISTRY.register("moba", MoBA)
 REGISTRY.register("rwkv7", RWKV7)
 REGISTRY.register("nsa", NativeSparseAttention)
 REGISTRY.register("path", PaTHAttention)
+
+
+def position_scheme(model_config, *, rngs, layer_index=0):
+  """model.position validated and built for the geometry that model.attention's mixer hands it
+  at layer `layer_index` (what the model builds for that layer; for a mixer built on its own, as
+  in tests and benchmarks)."""
+  name = model_config.attention
+  geometry = REGISTRY.lookup(name).position_geometry(REGISTRY.settings(name, model_config),
+                                                     model_config, layer_index)
+  positions.validate(model_config, [geometry])
+  return positions.build(model_config, geometry, rngs=rngs)

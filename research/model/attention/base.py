@@ -67,9 +67,11 @@ class Mixer(nnx.Module):
   @classmethod
   def position_geometry(cls, settings, model_config, layer_index=0):
     """The geometry of the queries and keys this mixer hands its position scheme (heads, head
-    dim, rotary dims, layer index); the scheme is built and validated for it."""
+    dim, rotary dims, layer index); the scheme is built and validated for it. By default
+    model.num_heads heads of d_model / num_heads dims, all of them rotating."""
     del settings
-    return positions.Geometry.of_model(model_config, layer_index)
+    d, heads = model_config.d_model, model_config.num_heads
+    return positions.Geometry(d, heads, d // heads, d // heads, layer_index)
 
   @classmethod
   def kv_heads(cls, model_config):

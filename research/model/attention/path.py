@@ -196,6 +196,7 @@ class PaTHAttention(base.Mixer):
     self.conv_width = int(settings.conv_width)
     self.use_forget_gate = bool(settings.use_forget_gate)
     self.use_qk_norm = bool(settings.use_qk_norm)
+    self.w_rank = int(settings.w_rank)
     self.dtype = dtype = nn.compute_dtype(model_config)
     self.query = base.head_projection(d, n, h, "heads", rngs=rngs, dtype=dtype)
     self.key = base.head_projection(d, kv, h, "kv_heads", rngs=rngs, dtype=dtype)
@@ -241,7 +242,7 @@ class PaTHAttention(base.Mixer):
       rms = lambda x, s: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True)  # noqa: E731
                                            + NORM_EPSILON) * s[...]
       q, k = rms(q, self.q_norm_scale), rms(k, self.k_norm_scale)
-    w = self.w_up(self.w_down(x_BxTxD)) if hasattr(self, "w_up") else self.w_proj(x_BxTxD)
+    w = self.w_up(self.w_down(x_BxTxD)) if self.w_rank else self.w_proj(x_BxTxD)
     if self.conv_width:
       w, conv_window = ssm.causal_depthwise_conv(w, conv_window, self.w_conv[...],
                                                  segments_BxT=segments_BxT)

@@ -50,7 +50,6 @@ import numpy as np
 from flax import nnx
 
 from research.model import nn
-from research.model import positions
 from research.model.attention import base
 from research.model.attention import masks
 from research.model.positions import QK
@@ -132,7 +131,7 @@ class Retention(base.Mixer):
   @classmethod
   def position_geometry(cls, settings, model_config, layer_index=0):
     """The usual geometry, rotating at RetNet's frequencies unless the settings say RoPE's."""
-    return dataclasses.replace(positions.Geometry.of_model(model_config, layer_index),
+    return dataclasses.replace(super().position_geometry(settings, model_config, layer_index),
                                rotary_frequencies=settings.rotary_frequencies)
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):

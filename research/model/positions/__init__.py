@@ -38,13 +38,16 @@ def rotary(name: str) -> bool:
   return REGISTRY.lookup(name).rotary
 
 
-def validate(model_config, geometries=()):
-  """Check model.position and its settings for each geometry the mixers give it (the model's
-  usual one when none do); returns the scheme class."""
+def validate(model_config, geometries):
+  """Check model.position and its settings for each geometry the mixers give it (at least one:
+  research.model.attention.base.Mixer.position_geometry); returns the scheme class."""
+  if not geometries:
+    raise ValueError("positions.validate needs the geometry of at least one mixer that uses the "
+                     "scheme (Mixer.position_geometry)")
   name = model_config.position
   cls = REGISTRY.lookup(name)
   settings = REGISTRY.settings(name, model_config)
-  for geometry in dict.fromkeys(g.shared() for g in geometries) or [Geometry.of_model(model_config)]:
+  for geometry in dict.fromkeys(g.shared() for g in geometries):
     cls.validate(settings, geometry)
   return cls
 
@@ -55,9 +58,9 @@ def max_length(model_config):
   return REGISTRY.lookup(name).max_length(REGISTRY.settings(name, model_config))
 
 
-def build(model_config, geometry=None, *, rngs) -> PositionScheme:
+def build(model_config, geometry, *, rngs) -> PositionScheme:
   """The scheme named by model.position, with its settings from model.<name>, for a mixer of
-  `geometry` (default: the model's usual one, Geometry.of_model)."""
+  `geometry` (Mixer.position_geometry; research.model.attention.position_scheme builds it for
+  model.attention's mixer)."""
   name = model_config.position
-  geometry = geometry or Geometry.of_model(model_config)
   return REGISTRY.lookup(name)(REGISTRY.settings(name, model_config), geometry, rngs=rngs)

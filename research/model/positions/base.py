@@ -51,12 +51,6 @@ class Geometry:
   layer_index: int = 0
   rotary_frequencies: str = "rope"
 
-  @classmethod
-  def of_model(cls, model_config, layer_index=0):
-    """The usual geometry: num_heads heads of d_model / num_heads dims, all of them rotating."""
-    head_dim = model_config.d_model // model_config.num_heads
-    return cls(model_config.d_model, model_config.num_heads, head_dim, head_dim, layer_index)
-
   def shared(self):
     """The geometry without the layer index: what a scheme shared across layers depends on."""
     return dataclasses.replace(self, layer_index=0)
