@@ -9,6 +9,8 @@ overridden on the command line, e.g.
       --config.model.attention=gqa --config.model.num_kv_heads=2
 """
 
+import inspect
+import re
 from typing import Any, Hashable, Mapping
 
 import ml_collections
@@ -22,24 +24,24 @@ VERSION = 2
 
 def get_config():
   config = ml_collections.ConfigDict()
-  config.version = VERSION
+  config.version = VERSION  # the schema's version (research/runs/migrations.py); set by the code
 
   config.model = ml_collections.ConfigDict()
   m = config.model
   m.attention = "mha"  # research.model.attention.REGISTRY (`python -m experiments.variants`)
   m.position = "rope"  # research.model.positions.REGISTRY
   m.layer_pattern = ()  # hybrids, e.g. ("mamba", "mamba", "mha"), tiled to num_layers
-  m.num_layers = 2
-  m.d_model = 128
-  m.num_heads = 4
-  m.num_kv_heads = 4  # gqa only; mha uses num_heads, mqa uses 1
+  m.num_layers = 2  # blocks of mixer + feed-forward
+  m.d_model = 128  # the residual stream's width
+  m.num_heads = 4  # query heads; head dim d_model / num_heads unless a mixer sets its own
+  m.num_kv_heads = 4  # read by gqa, nsa and path (Mixer.reads_num_kv_heads); mha: num_heads, mqa: 1
   m.feed_forward = "mlp"  # research.model.feed_forward.REGISTRY: mlp | moe (mixture of experts)
   m.feed_forward_pattern = ()  # per layer, tiled to num_layers: Jamba's ("mlp", "moe")
   m.mlp_ratio = 4  # hidden width / d_model of the MLP and of each expert; 0 drops the feed-forward
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
   m.norm = "rms_norm"  # research.model.norms.REGISTRY: rms_norm | layer_norm (model.<norm>)
   m.tie_embeddings = False  # the output head is the embedding table transposed (GPT-2, Llama 3.2)
-  # softmax attention: auto (by length and device) | xla | blockwise | cudnn
+  # the attention core's backend: auto (by length and device) | xla | blockwise | cudnn | pallas
   m.attention_backend = "auto"
   m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
   m.randomize_max_length = 0  # > 0: randomized positions in [0, M) in training (arXiv:2305.16843)
@@ -59,9 +61,9 @@ def get_config():
   d.tokenizer = "bytes"
   d.task_vocab_size = 16  # synthetic tasks: number of symbol tokens
   d.train_min_length = 1  # synthetic tasks: training lengths U(min, max) in symbols
-  d.train_max_length = 40
-  d.num_kv_pairs = 8  # mqar
-  d.num_train_examples = 100_000  # synthetic tasks
+  d.train_max_length = 40  # synthetic tasks: see train_min_length
+  d.num_kv_pairs = 8  # mqar: key-value pairs per example
+  d.num_train_examples = 100_000  # synthetic tasks: examples drawn for training
   d.num_eval_examples = 256  # synthetic and needle tasks, per evaluation length (and depth)
   d.needle_value_digits = 5  # needle tasks: digits of the pass key / magic numbers
   d.num_distractors = 3  # needle_multikey: needles of other keys
@@ -71,7 +73,7 @@ def get_config():
   d.mad_noise_vocab_size = 16  # mad_noisy_in_context_recall: noise ids, the last of the vocab
   d.mad_k_motif_size = 3  # mad_fuzzy_in_context_recall: longest key motif
   d.mad_v_motif_size = 3  # mad_fuzzy_in_context_recall: longest value motif
-  d.mad_num_tokens_to_copy = 16  # mad_selective_copying
+  d.mad_num_tokens_to_copy = 16  # mad_selective_copying: tokens to copy
   # Language modeling: "concat" cuts training and evaluation windows from the token stream across
   # document boundaries; "documents" adds per-token segment ids and positions so that a token
   # sees only its own document, and leaves END_OF_DOCUMENT unscored (research/data/packing.py).
@@ -79,26 +81,26 @@ def get_config():
 
   config.train = ml_collections.ConfigDict()
   t = config.train
-  t.num_steps = 200
+  t.num_steps = 200  # optimizer steps
   t.batch_size = 32  # global, over all processes
-  t.seq_len = 128
-  t.learning_rate = 3e-3
-  t.warmup_steps = 50
-  t.end_learning_rate_fraction = 0.1
-  t.weight_decay = 0.1
-  t.grad_clip_norm = 1.0
-  t.grad_accum_steps = 1
-  t.seed = 0
-  t.log_every = 20
+  t.seq_len = 128  # the training length (tokens per row)
+  t.learning_rate = 3e-3  # AdamW's peak: linear warmup, then cosine decay
+  t.warmup_steps = 50  # linear warmup from 0 to learning_rate
+  t.end_learning_rate_fraction = 0.1  # the final learning rate / the peak
+  t.weight_decay = 0.1  # AdamW, on the parameters that declare weight_decay
+  t.grad_clip_norm = 1.0  # gradients clipped to this global norm
+  t.grad_accum_steps = 1  # micro-batches per step (batch_size split into them)
+  t.seed = 0  # initialisation and data order
+  t.log_every = 20  # steps between log lines and metrics.jsonl rows
   t.eval_every = 0  # validation loss every N steps; 0: only at the end
-  t.eval_batches = 4
-  t.checkpoint_every = 100
-  t.keep_checkpoints = 2
+  t.eval_batches = 4  # batches of each validation during training
+  t.checkpoint_every = 100  # steps between checkpoints (orbax, asynchronous)
+  t.keep_checkpoints = 2  # the latest checkpoints kept
   # Steps whose checkpoints are never rotated out (saved even off checkpoint_every), e.g.
   # log-spaced to watch heads form over training (python -m experiments.analyze
   # --analysis=induction reads every kept checkpoint).
   t.keep_checkpoints_at = ()
-  t.tensorboard = False
+  t.tensorboard = False  # also write TensorBoard event files
   # Start from another run's final parameters with a fresh optimizer
   # (research/training/init_from.py):
   # a run directory, relative to the one that holds this workdir (in a sweep: a member's name).
@@ -111,26 +113,46 @@ def get_config():
 
   config.distributed = ml_collections.ConfigDict()
   config.distributed.coordinator_address = ""  # "host:port" turns on jax.distributed
-  config.distributed.num_processes = 1
-  config.distributed.process_id = 0
+  config.distributed.num_processes = 1  # with coordinator_address
+  config.distributed.process_id = 0  # with coordinator_address
 
   config.eval = ml_collections.ConfigDict()
   e = config.eval
-  e.lengths = (128, 256, 512, 1024)
-  e.modes = ("nonoverlapping", "sliding")
+  e.lengths = (128, 256, 512, 1024)  # evaluation lengths (tokens per window)
+  e.modes = ("nonoverlapping", "sliding")  # windows side by side | overlapping, stride below
   e.sliding_stride = 0  # 0: half the training length
   e.num_tokens = 16384  # scored tokens per (length, mode), taken from the same text
-  e.batch_size = 8
+  e.batch_size = 8  # windows per evaluation batch
   # Extra rows for runs with a rotary scheme, each scaling at s = eval length / train length:
   # any of research.model.positions.SCALINGS, e.g. ("pi", "static_ntk", "dynamic_ntk", "yarn").
   e.rope_scalings = ()
   e.depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # needle tasks: where the needle sits, 0 first, 1 last
   e.bootstrap_samples = 1000  # resamples of the 95% intervals over windows / examples
-  e.bootstrap_seed = 0
+  e.bootstrap_seed = 0  # the resampling's seed
   # Held-out splits evaluated, each a row: "validation" (the default; what summaries and figures
   # show) and "test" (MAD's protocol selects on test; research/results/mad_table.py shows both).
   e.splits = ("validation",)
   return config
+
+
+_SECTIONS = {"config": "", "m": "model.", "d": "data.", "t": "train.", "e": "eval."}
+
+
+def field_comments() -> dict[str, str]:
+  """{dotted field: what get_config's source says of it}: the comment lines just above its
+  assignment and the comment after it (for the generated config table of docs/architecture.md)."""
+  comments, pending = {}, []
+  for line in inspect.getsource(get_config).splitlines():
+    line = line.strip()
+    if line.startswith("#"):
+      pending.append(line[1:].strip())
+      continue
+    match = re.match(r"(config|m|d|t|e)\.([\w.]+) = (.*?)(?:  # (.*))?$", line)
+    if match and not match.group(3).startswith("ml_collections.ConfigDict"):
+      section, name, _, inline = match.groups()
+      comments[_SECTIONS[section] + name] = " ".join(pending + [inline or ""]).strip()
+    pending = []
+  return comments
 
 
 _FLAT_DEFAULTS = {}  # {registry state: flatten(get_config())}

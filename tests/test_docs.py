@@ -25,6 +25,15 @@ def test_generated_tables_in_the_docs_are_current():
     assert f"| `{name}` |" in tables["mixers"] + tables["positions"]
 
 
+def test_every_config_field_says_what_it_is_in_defaults_py():
+  """The generated config table takes each field's comment from research/defaults.py: a field
+  added without one fails here, naming it."""
+  rows = variants.config_fields()
+  assert {name for name, _, _ in rows} >= {"version", "model.d_model", "train.seq_len",
+                                           "eval.lengths", "mesh.shape"}
+  assert [name for name, _, what in rows if not what] == []
+
+
 def test_embed_replaces_only_the_body_of_a_generated_block():
   text = "a\n<!-- generated:x (note) -->\nold\nrows\n<!-- /generated:x -->\nb"
   assert variants.embed(text, {"x": "new"}) == (

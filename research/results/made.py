@@ -176,7 +176,10 @@ def record(made_path, files, entry):
     json.dump(made, f, indent=1, sort_keys=True)
   lines = ["# How each result file in docs/ was made", "",
            "Written by `python -m experiments.results` (`make results`); a file not listed here "
-           "was made by hand or predates it.", "",
+           "was made by hand or predates it. Minutes: how long the entry ran; a sweep finds the "
+           "runs it already holds done and does not repeat them, so an entry remade over an "
+           "earlier workdir takes less than from an empty one (README's preset table has those "
+           "times).", "",
            "| file | command | commit | date | hardware | minutes |", "|---|---|---|---|---|---|"]
   lines += [f"| {path} | `{e['command']}` | {e['commit']} | {e['date']} | {e['hardware']} | "
             f"{e['minutes']:.1f} |" for path, e in sorted(made.items())]
