@@ -46,18 +46,18 @@ WINDOW_POSITIONS = ("rope", "alibi", "t5", "none")  # a rotation, biases, and no
 
 def _windowed():
   """(mixer, scheme, backend, (window, sinks)) for every mixer that supports a sliding window
-  (Mixer.supports_sliding_window): the schemes, CPU backends and sinks in turn, and the first
-  mixer once more with ALiBi's bias on blockwise tiles."""
+  (Mixer.supports_sliding_window): each with 2 sinks and with none, the schemes and CPU
+  backends in turn."""
   cases = []
   names = [name for name, cls in attention.REGISTRY.items() if cls.supports_sliding_window]
   for index, name in enumerate(names):
     cls = attention.REGISTRY[name]
-    schemes = [p for p in WINDOW_POSITIONS if p in model_lib.compatible_positions(cls)]
-    backends = [b for b in cls.backends if b in CPU_BACKENDS]
-    cases.append((name, schemes[index % len(schemes)], backends[index % len(backends)],
-                  (WINDOW, 2 if index % 2 == 0 else 0)))
-  if names:
-    cases.append((names[0], "alibi", "blockwise", (WINDOW, 2)))
+    compatible = model_lib.compatible_positions(cls)
+    schemes = [p for p in WINDOW_POSITIONS if p in compatible] or compatible[:1]
+    backends = [b for b in cls.backends if b in CPU_BACKENDS] or [None]
+    for turn, sinks in enumerate((2, 0)):
+      cases.append((name, schemes[(index + turn) % len(schemes)],
+                    backends[(index + turn) % len(backends)], (WINDOW, sinks)))
   return cases
 
 
@@ -117,7 +117,7 @@ def _variants():
                            id="-".join(x for x in (name, position, backend) if x))
   for name, position, backend, (window, sinks) in WINDOWED:
     yield pytest.param(name, position, backend, (window, sinks), "mlp",
-                       id=f"{name}-{position}-{backend}-window{window}-sinks{sinks}")
+                       id=f"{name}-{position}-{backend or 'xla'}-window{window}-sinks{sinks}")
   for name in feed_forward_lib.REGISTRY:
     if name != "mlp":
       yield pytest.param("mha", "rope", "xla", None, name, id=f"mha-rope-xla-{name}")
@@ -349,6 +349,24 @@ def test_chunked_mixers_run_at_least_three_chunks(name):
     assert -(-LENGTH // chunk) >= 3 and LENGTH % chunk, (
         f"{name}: test_settings give chunks of {chunk} tokens, {-(-LENGTH // chunk)} for the "
         f"test length {LENGTH}; declare a chunk of at most {LENGTH // 3} in its test_settings")
+
+
+def test_variants_that_share_settings_must_share_their_test_settings():
+  """The suite builds every variant of one settings key from one sub-dict: a subclass of
+  softmax attention declaring other test settings than mha's is refused, naming both."""
+  from research.model.registry import Registry  # noqa: PLC0415
+
+  class Smaller(attention.MHA):
+    test_settings = {"block_size": 4}
+
+  registry = Registry("attention type", "model.attention")
+  registry.register("mha", attention.MHA, settings="softmax")
+  registry.register("smaller", Smaller, settings="softmax")
+  with pytest.raises(ValueError, match=r"'smaller' declares test_settings \{'block_size': 4\} "
+                                       r"for model.softmax, which 'mha' declares as"):
+    registry.test_settings()
+  Smaller.test_settings = dict(attention.MHA.test_settings)
+  assert registry.test_settings() == {"softmax": attention.MHA.test_settings}
 
 
 @pytest.mark.parametrize("name", list(attention.REGISTRY))

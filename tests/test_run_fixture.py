@@ -71,6 +71,7 @@ def test_a_config_of_an_older_schema_is_migrated_before_it_is_read(monkeypatch, 
     return flat
 
   monkeypatch.setattr(defaults, "VERSION", 3)
+  monkeypatch.setattr(defaults, "_FLAT_DEFAULTS", {})  # its cache of version 2's defaults
   monkeypatch.setattr(migrations, "MIGRATIONS", (*migrations.MIGRATIONS, migrations.Migration(
       3, "a test's", moved={"model.kv_heads": "model.num_kv_heads",
                             "optimizer.lr": "train.learning_rate"}, convert=warmup_in_steps)))

@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 
 import research
+from research.model import attention
 from research.model import positions as positions_lib
 from research.model.attention import core, masks
 from research.model.attention.softmax import SINK_POSITIONS
@@ -245,7 +246,7 @@ def test_blockwise_equals_xla_and_the_naive_reference_forward_and_backward(packe
   document_index = masks.positions_in_documents(segments)
   positions = document_index
   cache_positions = masks.cache_positions(positions, document_index, window, sinks)
-  scheme = positions_lib.build(
+  scheme = attention.position_scheme(
       tiny_model_config(position="t5", num_heads=heads, d_model=8 * heads,
                         t5=dict(num_buckets=8, max_distance=16)), rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(scheme)

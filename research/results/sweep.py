@@ -281,7 +281,8 @@ def check_sweep_workdir(workdir: str, base_config: ml_collections.ConfigDict,
             "members": [m.name for m in members]}
   if workdirs.is_sweep(workdir):
     saved = workdirs.sweep_record(workdir)
-    differences = config_fields.training_differences(saved["config"], base_config)
+    differences = config_fields.training_differences(
+        saved["config"], base_config, os.path.join(workdir, workdirs.SWEEP_FILE))
     removed = [name for name in saved["members"] if name not in record["members"]]
     differences += [f"members removed: {', '.join(removed)}"] if removed else []
     if differences:

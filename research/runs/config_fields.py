@@ -81,11 +81,13 @@ def predated_values(saved: Mapping) -> dict[str, Any]:
   return values
 
 
-def training_differences(saved: Mapping, current: ml_collections.ConfigDict) -> list[str]:
+def training_differences(saved: Mapping, current: ml_collections.ConfigDict,
+                         source: str = "the saved config") -> list[str]:
   """'field: saved -> current' for every field that changes training and differs between a saved
-  config (the nested dict of a config.json) and `current`; empty if they train the same run."""
+  config (the nested dict of a config.json, read from `source`) and `current`; empty if they
+  train the same run."""
   not_read = unread.not_read(current)
-  saved = migrations.migrate(flatten(saved), "the saved config")
+  saved = migrations.migrate(flatten(saved), source)
   current, default = flatten(current), flatten(defaults.get_config())
   default.update(predated_values(saved))
   differences = []

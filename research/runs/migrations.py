@@ -4,9 +4,9 @@ is brought to today's schema before it is read.
 Every config carries `version`, the schema's version (research/defaults.py: VERSION); a saved
 config without one is version 1, the schema of every run written before versions were recorded.
 A change that renames a field, moves it to another section or changes the form of its value
-bumps defaults.VERSION and adds a Migration to MIGRATIONS: `moved` {old dotted name: new dotted name} for a field whose
-value keeps its meaning, and `convert`, a function of the flat saved config giving it in the new
-form, for anything else (units, a field split in two). `migrate` applies, in order, every
+bumps defaults.VERSION and adds a Migration to MIGRATIONS: `moved` {old dotted name: new dotted
+name} for a field whose value keeps its meaning, and `convert`, a function of the flat saved
+config giving it in the new form, for anything else (units, a field split in two). `migrate` applies, in order, every
 migration newer than the saved version. A field that is new with its default needs no migration:
 research.runs.config_fields reads a config without it at its default (or at what the variant
 declares its absence meant, `predated_settings`).
@@ -64,4 +64,3 @@ def migrate(flat: Mapping[str, Any], source: str) -> dict[str, Any]:
       flat = migration.convert(flat)
   flat["version"] = defaults.VERSION
   return flat
-

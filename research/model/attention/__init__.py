@@ -58,8 +58,8 @@ REGISTRY.register("path", PaTHAttention)
 
 def position_scheme(model_config, *, rngs, layer_index=0):
   """model.position validated and built for the geometry that model.attention's mixer hands it
-  at layer `layer_index` (what the model builds for that layer; for a mixer built on its own, as
-  in tests and benchmarks)."""
+  at layer `layer_index`, for a mixer built on its own (tests, benchmarks). Unlike the model, it
+  does not check that the mixer honours the scheme's hooks (research.model.transformer.validate)."""
   name = model_config.attention
   geometry = REGISTRY.lookup(name).position_geometry(REGISTRY.settings(name, model_config),
                                                      model_config, layer_index)
