@@ -1,5 +1,6 @@
-"""The variant tables of README.md and docs/, computed from the registries: mixers, position
-schemes, which pairs are compatible, feed-forwards, and the config sub-dict of each variant.
+"""The generated tables of README.md and docs/, computed from the registries and the config
+schema (research.defaults.doc_tables): mixers, position schemes, which pairs are compatible,
+feed-forwards, the config sub-dict of each variant and every other config field.
 
   python -m experiments.variants [--config.model.d_model=256 ...]   print them at these sizes
   python -m experiments.variants --write    rewrite the generated blocks of the docs
@@ -30,12 +31,12 @@ def main(argv):
   if len(argv) > 1:
     raise ValueError(f"unexpected arguments {argv[1:]}; the flags are --config, --write and --check")
   if not (_WRITE.value or _CHECK.value):
-    for name, table in variants.markdown_tables(_CONFIG.value.model).items():
+    for name, table in defaults.doc_tables(_CONFIG.value.model).items():
       print(f"{name}:\n\n{table}\n")
     return
   model_config = defaults.get_config().model
   model_config.update(variants.DOCS_MODEL_OVERRIDES)
-  tables = variants.markdown_tables(model_config)
+  tables = defaults.doc_tables(model_config)
   stale = variants.stale_files(tables)
   if _CHECK.value:
     if stale:

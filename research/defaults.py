@@ -155,6 +155,30 @@ def field_comments() -> dict[str, str]:
   return comments
 
 
+def config_fields() -> list[tuple[str, object, str]]:
+  """(dotted name, default, what field_comments says of it) for every field of the config
+  outside the variants' sub-dicts (model.<key>), in the order of get_config."""
+  config, comments = get_config(), field_comments()
+  variant_sections = tuple(f"model.{key}." for key in variants.default_settings())
+  rows = []
+  for name in flatten(config):
+    if name.startswith(variant_sections):
+      continue
+    value = config
+    for part in name.split("."):
+      value = value[part]
+    rows.append((name, value, comments.get(name, "").replace("|", "\\|")))
+  return rows
+
+
+def doc_tables(model_config) -> dict[str, str]:
+  """{block name: markdown} of every generated table of the docs: the registries' tables
+  (research.variants.markdown_tables, at `model_config`'s sizes) and the config fields'."""
+  fields = ["| field | default | what it is |", "|---|---|---|"]
+  fields += [f"| `{name}` | `{value!r}` | {what} |" for name, value, what in config_fields()]
+  return {**variants.markdown_tables(model_config), "config-fields": "\n".join(fields)}
+
+
 _FLAT_DEFAULTS = {}  # {registry state: flatten(get_config())}
 
 

@@ -111,8 +111,6 @@ def markdown_tables(model_config) -> dict[str, str]:
   for key, fields in default_settings().items():
     defaults.append(f"| `model.{key}` | {', '.join(users[key])} | "
                     + ", ".join(f"`{field}` {value!r}" for field, value in fields.items()) + " |")
-  fields = ["| field | default | what it is |", "|---|---|---|"]
-  fields += [f"| `{name}` | `{value!r}` | {what} |" for name, value, what in config_fields()]
   names = "\n".join(
       f"- {what} (`--config.{registry.config_field}=NAME`): "
       + ", ".join(f"`{name}`" for name in registry)
@@ -120,25 +118,7 @@ def markdown_tables(model_config) -> dict[str, str]:
                              ("feed-forwards", feed_forward.REGISTRY), ("norms", norms.REGISTRY)))
   return {"names": names, "mixers": "\n".join(mixers), "positions": "\n".join(schemes),
           "compatibility": "\n".join(compatibility), "feed-forwards": "\n".join(feed_forwards),
-          "config-defaults": "\n".join(defaults), "config-fields": "\n".join(fields)}
-
-
-def config_fields() -> list[tuple[str, object, str]]:
-  """(dotted name, default, what research/defaults.py says of it) for every field of the config
-  outside the variants' sub-dicts (model.<key>), in the order of get_config."""
-  from research import defaults  # noqa: PLC0415 (research.defaults imports this module)
-
-  config, comments = defaults.get_config(), defaults.field_comments()
-  variant_sections = tuple(f"model.{key}." for key in default_settings())
-  rows = []
-  for name in defaults.flatten(config):
-    if name.startswith(variant_sections):
-      continue
-    value = config
-    for part in name.split("."):
-      value = value[part]
-    rows.append((name, value, comments.get(name, "").replace("|", "\\|")))
-  return rows
+          "config-defaults": "\n".join(defaults)}
 
 
 def embed(text: str, tables: dict[str, str]) -> str:

@@ -13,7 +13,7 @@ from research.model import attention, positions
 def test_generated_tables_in_the_docs_are_current():
   model_config = defaults.get_config().model
   model_config.update(variants.DOCS_MODEL_OVERRIDES)
-  tables = variants.markdown_tables(model_config)
+  tables = defaults.doc_tables(model_config)
   assert variants.stale_files(tables) == [], (
       "run `python -m experiments.variants --write` and commit the docs it rewrites")
   embedded = set()
@@ -28,7 +28,7 @@ def test_generated_tables_in_the_docs_are_current():
 def test_every_config_field_says_what_it_is_in_defaults_py():
   """The generated config table takes each field's comment from research/defaults.py: a field
   added without one fails here, naming it."""
-  rows = variants.config_fields()
+  rows = defaults.config_fields()
   assert {name for name, _, _ in rows} >= {"version", "model.d_model", "train.seq_len",
                                            "eval.lengths", "mesh.shape"}
   assert [name for name, _, what in rows if not what] == []
