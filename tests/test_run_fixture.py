@@ -53,7 +53,7 @@ def _nested(flat):
   return nested
 
 
-def test_a_config_of_an_older_schema_is_migrated_before_it_is_read(monkeypatch, tmp_path):
+def test_a_config_of_an_older_schema_is_migrated_before_it_is_read(monkeypatch):
   """A schema change (version 3 here: num_kv_heads renamed, the learning rate moved to another
   section, warmup given as a fraction of the steps) with its Migration: the fixture's config
   written in the older form loads as the fixture itself does and trains the same run."""
