@@ -76,15 +76,18 @@ def markdown_tables(model_config) -> dict[str, str]:
   sizes = (f"num_layers={model_config.num_layers}, d_model={model_config.d_model}, "
            f"num_heads={model_config.num_heads}, num_kv_heads={model_config.num_kv_heads} (gqa), "
            f"vocab_size={model_config.vocab_size}, {model_config.compute_dtype}")
-  mixers = ["| mixer | what it is | position hooks | backends | parameters | cache bytes @1024 |",
-            "|---|---|---|---|---|---|"]
+  mixers = ["| mixer | what it is | position hooks | backends | parameters | cache bytes @1024 "
+            "| decodes packed documents |", "|---|---|---|---|---|---|---|"]
   for name, cls in attention.REGISTRY.items():
     compatible = model_lib.compatible_positions(cls)
     model = build(attention=name, position=compatible[0])
     mixers.append(f"| `{name}` | {summary(cls)} | {_cell(cls.position_hooks) or '-'} | "
                   f"{_cell(cls.backends) if cls.backends else '-'} | "
-                  f"{model_lib.count_params(model):,} | {model.cache_bytes(1, 1024):,} |")
-  mixers.append(f"\nAt {sizes}; cache bytes: the decode cache or state of one sequence.")
+                  f"{model_lib.count_params(model):,} | {model.cache_bytes(1, 1024):,} | "
+                  f"{'no' if cls.document_decode_refusal(cls.hyperparameters) else 'yes'} |")
+  mixers.append(f"\nAt {sizes}; cache bytes: the decode cache or state of one sequence; decodes "
+                "packed documents: at its default settings, from "
+                "`init_cache(..., documents=True)` (a mixer that cannot says why when asked).")
   plain = model_lib.count_params(build(attention="mha", position="none"))
   schemes = ["| scheme | what it is | hooks | per layer | parameters added (mha) |",
              "|---|---|---|---|---|"]

@@ -4,7 +4,8 @@ every feed-forward.
 Adding a variant to research.model.attention.REGISTRY (or a scheme to
 research.model.positions.REGISTRY) adds it here: shapes and dtypes, causality, finite gradients,
 prefill in chunks then decode == full forward (state carried across chunks), a packed row of
-documents == each document alone, and the same logits under an 8-device mesh with the sharding
+documents == each document alone (and, where the mixer's decode takes documents, == the row
+decoded from a document cache), and the same logits under an 8-device mesh with the sharding
 rules (for each mixer, each scheme and each feed-forward: what sharding depends on). Every mixer
 that supports a sliding window also runs with one, with and without sinks (the rolling decode
 cache). Each feed-forward besides the MLP (research.model.feed_forward.REGISTRY) runs once, with
@@ -136,7 +137,9 @@ def _compiled(name, position, backend, window=None, feed_forward="mlp"):
   """The variant's state and jitted functions: (gradient, logits) of a batch with segment ids;
   the forward pass (compiled on the mesh by the SHARDED variants only); and decoding a whole
   batch from an empty cache, in two prefill chunks then one token at a time (logits, final cache
-  index). Two programs per variant on one device (compiling dominates the suite's time)."""
+  index), of rows of one document each, or of packed documents (compiled by the
+  DOCUMENT_DECODED variants only). Two programs per variant on one device (compiling dominates
+  the suite's time)."""
   settings = ({} if window is None else
               {attention.REGISTRY.settings_key(name): dict(window=window[0], sinks=window[1])})
   config = tiny_model_config(attention=name, position=position, feed_forward=feed_forward,
@@ -152,17 +155,22 @@ def _compiled(name, position, backend, window=None, feed_forward="mlp"):
                                          tokens[:, 1:, None], -1))
     return loss, logits
 
-  def decode(state, tokens):
+  def decode(state, tokens, segments=None):
+    """Without segments a plain cache; with them (packed documents) a document cache."""
     model = nnx.merge(graphdef, state)
 
-    def step(cache, tokens_BxC):
-      logits, cache = model.decode(tokens_BxC, cache)
+    def step(cache, chunk):
+      logits, cache = model.decode(*chunk, cache) if segments is None else model.decode(
+          chunk[0], cache, chunk[1])
       return cache, logits
 
     middle = PREFILL + SECOND_CHUNK
-    chunks = tokens[:, :middle].reshape(BATCH, 2, PREFILL).swapaxes(0, 1)
-    cache, chunk_logits = jax.lax.scan(step, model.init_cache(BATCH, LENGTH), chunks)
-    cache, token_logits = jax.lax.scan(step, cache, tokens[:, middle:].T[:, :, None])
+    per_token = (tokens,) if segments is None else (tokens, segments)
+    chunks = [x[:, :middle].reshape(BATCH, 2, PREFILL).swapaxes(0, 1) for x in per_token]
+    cache = model.init_cache(BATCH, LENGTH, documents=segments is not None)
+    cache, chunk_logits = jax.lax.scan(step, cache, chunks)
+    cache, token_logits = jax.lax.scan(step, cache, [x[:, middle:].T[:, :, None]
+                                                     for x in per_token])
     logits = [jnp.concatenate(list(chunk_logits), axis=1)] + list(token_logits)
     return jnp.concatenate(logits, axis=1), cache["index"]
 
@@ -271,6 +279,47 @@ def test_packed_documents_equal_each_document_alone(name, position, backend, win
                                  atol=2e-5, rtol=2e-5)
   unpacked = run(tokens, ONE_DOCUMENT)  # the segments made a difference
   assert float(jnp.abs(unpacked[0, 6:] - packed[0, 6:]).max()) > 1e-4
+
+
+def _decodes_documents(name, window):
+  """Whether the mixer's decode takes packed documents with these window settings."""
+  settings = ({} if window is None else
+              {attention.REGISTRY.settings_key(name): dict(window=window[0], sinks=window[1])})
+  config = tiny_model_config(attention=name, **settings)
+  return attention.REGISTRY[name].document_decode_refusal(
+      attention.REGISTRY.settings(name, config)) is None
+
+
+# Packed documents decoded (Mixer.document_decode_refusal is None): each such mixer with `none`,
+# the first mixer with each scheme (positions restart at each document), each feed-forward (a
+# feed-forward with a cache keeps each document's), and each window without sinks (the rolling
+# cache).
+DOCUMENT_DECODED = [v for v in SHARDED + [w for w in VARIANTS if w.values[3] and not w.values[3][1]]
+                    if _decodes_documents(v.values[0], v.values[3])]
+
+
+@pytest.mark.parametrize(PARAMETERS, DOCUMENT_DECODED)
+def test_packed_documents_decode_as_the_packed_forward(name, position, backend, window,
+                                                       feed_forward):
+  """forward(tokens, SEGMENTS) == the same rows decoded in two prefill chunks then one token at
+  a time from a document cache (init_cache(..., documents=True)): documents start at a chunk's
+  first token (row 0 at 6), inside a prefill into an empty cache (row 1 at 3), inside a chunk
+  that follows cached tokens (row 3 at 8), at a single decoded token (row 0 at 15), and one is a
+  single token (row 3 at 8)."""
+  state, grad_and_logits, _, decode = _compiled(name, position, backend, window, feed_forward)
+  tokens = _tokens(3)
+  expected = grad_and_logits(state, tokens, SEGMENTS)[1]
+  logits, index = decode(state, tokens, jnp.asarray(SEGMENTS))
+  np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=2e-4)
+  assert int(index) == LENGTH
+
+
+def test_every_mixer_that_decodes_documents_is_decoded_with_them():
+  """Each mixer whose decode takes packed documents (at its test settings) runs the test above
+  (tests/test_decode_documents.py: the others refuse a document cache by name)."""
+  decoded = {v.values[0] for v in DOCUMENT_DECODED}
+  for name in attention.REGISTRY:
+    assert _decodes_documents(name, None) == (name in decoded), name
 
 
 @pytest.mark.parametrize(PARAMETERS, SHARDED)

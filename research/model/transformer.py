@@ -24,7 +24,9 @@ Packed documents: segment ids [B, L] (non-decreasing per row) keep every mixer w
 A packed row gives each document the logits it would get alone.
 
 Decoding: `init_cache(batch, max_length)`, then `prefill(prompt, cache)` (every mixer fills its
-cache in one chunk-parallel pass) and `decode(tokens, cache)` for the tokens that follow.
+cache in one chunk-parallel pass) and `decode(tokens, cache)` for the tokens that follow. With
+`init_cache(..., documents=True)` both take the new tokens' segment ids, and a document may start
+at any token of any row (Mixer.document_decode_refusal says which mixers cannot).
 """
 
 import jax
@@ -183,12 +185,14 @@ class Block(nnx.Module):
             "feed_forward": (None if self.mlp is None
                              else self.mlp.init_cache(batch_size, max_length))}
 
-  def decode(self, x_BxTxD, cache, index, carry=None):
+  def decode(self, x_BxTxD, cache, index, carry=None, documents=None):
+    kept = {} if documents is None else {"documents": documents}
     y, mixer_cache, carry = self.mixer.decode_with_carry(
-        self.mixer_norm(x_BxTxD), cache["mixer"], index, {} if carry is None else carry)
+        self.mixer_norm(x_BxTxD), cache["mixer"], index, {} if carry is None else carry, **kept)
     x, feed_forward_cache = x_BxTxD + y, cache["feed_forward"]
     if self.mlp is not None:
-      y, feed_forward_cache = self.mlp.decode(self.mlp_norm(x), feed_forward_cache, index)
+      y, feed_forward_cache = self.mlp.decode(self.mlp_norm(x), feed_forward_cache, index,
+                                              **kept)
       x = x + y
     return x, {"mixer": mixer_cache, "feed_forward": feed_forward_cache}, carry
 
@@ -222,16 +226,21 @@ class LanguageModel(nnx.Module):
     self.position = scheme_for(first) if scheme.shared_across_layers else None
     self.embed = nn.embed(model_config.vocab_size, d, ("vocab", "embed"), rngs=rngs, dtype=dtype,
                           stddev=1.0)
-    blocks = []
+    blocks, refusals = [], []
     for layer, (name, feed_forward_name, geometry) in enumerate(zip(
         layer_types(model_config), feed_forward_types(model_config), geometries)):
       mixer_cls = attention.REGISTRY.lookup(name)
       position = (scheme_for(geometry) if geometry is not None  # None: a hybrid's recurrent layer
                   else positions_lib.NoPosition(None, first, rngs=rngs))
-      mixer = mixer_cls(attention.REGISTRY.settings(name, model_config), model_config, position,
-                        rngs=rngs, layer_index=layer)
+      settings = attention.REGISTRY.settings(name, model_config)
+      mixer = mixer_cls(settings, model_config, position, rngs=rngs, layer_index=layer)
+      reason = mixer_cls.document_decode_refusal(settings)
+      if reason and f"{name}: {reason}" not in refusals:
+        refusals.append(f"{name}: {reason}")
       blocks.append(Block(mixer, feed_forward_name, model_config, rngs=rngs))
     self.blocks = nnx.List(blocks)
+    # Why decode cannot take packed documents (Mixer.document_decode_refusal), per mixer.
+    self.document_decode_refusals = tuple(refusals)
     self.final_norm = norms.build(model_config, rngs=rngs, dtype=dtype)
     self.head = None if model_config.get("tie_embeddings", False) else nn.dense(
         "BLD,DV->BLV", (d, model_config.vocab_size), ("embed", "vocab"), rngs=rngs, dtype=dtype)
@@ -323,30 +332,74 @@ class LanguageModel(nnx.Module):
         x, carry = block(x, positions_BxL, segments_BxL, carry)
     return self._logits(x)
 
-  def init_cache(self, batch_size, max_length):
-    return {"index": jnp.zeros((), jnp.int32),
-            "layers": [block.init_cache(batch_size, max_length) for block in self.blocks]}
+  def init_cache(self, batch_size, max_length, documents=False):
+    """An empty decode cache for `batch_size` rows of up to `max_length` tokens. With
+    `documents`, for packed documents: every decode then takes the new tokens' segment ids,
+    and a document may start at any token of any row (the cache keeps where each row's open
+    document started, and its segment id); refused, naming them, where a mixer cannot."""
+    if documents and self.document_decode_refusals:
+      raise ValueError(f"this model cannot decode packed documents: "
+                       f"{'; '.join(self.document_decode_refusals)}; mixers that can (at "
+                       f"their default settings): {', '.join(document_decoders())}")
+    cache = {"index": jnp.zeros((), jnp.int32),
+             "layers": [block.init_cache(batch_size, max_length) for block in self.blocks]}
+    if documents:
+      cache["documents"] = {"segment": jnp.zeros((batch_size,), jnp.int32),
+                            "start": jnp.zeros((batch_size,), jnp.int32)}
+    return cache
 
-  def prefill(self, tokens_BxT, cache):
+  def prefill(self, tokens_BxT, cache, segments_BxT=None):
     """Logits of a prompt (or the next chunk of one) and the cache filled with it, in one
     chunk-parallel pass per layer: softmax layers write all T keys and values at once, recurrent
     ones run their chunked form from the cached state. The same computation as `decode`, which
     takes any number of tokens; named for what it is used for."""
-    return self.decode(tokens_BxT, cache)
+    return self.decode(tokens_BxT, cache, segments_BxT)
 
-  def decode(self, tokens_BxT, cache):
-    """Logits for T new tokens that follow the cached ones, and the updated cache."""
+  def decode(self, tokens_BxT, cache, segments_BxT=None):
+    """Logits for T new tokens that follow the cached ones, and the updated cache. A cache made
+    with init_cache(..., documents=True) takes their segment ids [B, T] (packed documents:
+    non-decreasing, continuing the cached ones; a changed id starts a document), as `__call__`
+    takes a whole row's."""
     index = cache["index"]
-    x = self._embed(tokens_BxT, (index + jnp.arange(tokens_BxT.shape[1]))[None])
+    documents = self._decode_documents(cache, segments_BxT)
+    positions_BxT = ((index + jnp.arange(tokens_BxT.shape[1]))[None] if documents is None
+                     else documents.positions_BxT)
+    x = self._embed(tokens_BxT, positions_BxT)
     layers, carry = [], {}
     for block, layer_cache in zip(self.blocks, cache["layers"]):
-      x, layer_cache, carry = block.decode(x, layer_cache, index, carry)
+      x, layer_cache, carry = block.decode(x, layer_cache, index, carry, documents)
       layers.append(layer_cache)
-    return self._logits(x), {"index": index + tokens_BxT.shape[1], "layers": layers}
+    cache = {**cache, "index": index + tokens_BxT.shape[1], "layers": layers}
+    if documents is not None:
+      cache["documents"] = {"segment": segments_BxT[:, -1].astype(jnp.int32),
+                            "start": documents.starts_BxT[:, -1]}
+    return self._logits(x), cache
+
+  @staticmethod
+  def _decode_documents(cache, segments_BxT):
+    """masks.DecodeDocuments of the new tokens, or None for a cache without documents; a
+    mismatch of the two is refused before any work."""
+    if "documents" not in cache:
+      if segments_BxT is not None:
+        raise ValueError("segment ids were given to a cache made without documents: "
+                         "init_cache(batch, max_length, documents=True) decodes packed documents")
+      return None
+    if segments_BxT is None:
+      raise ValueError("this cache decodes packed documents (init_cache(..., documents=True)): "
+                       "pass the new tokens' segment ids, segments_BxT")
+    masks.check_segments(segments_BxT)
+    return masks.decode_documents(jnp.asarray(segments_BxT, jnp.int32), cache["index"],
+                                  cache["documents"]["segment"], cache["documents"]["start"])
 
   def cache_bytes(self, batch_size, context_length):
     """Bytes of the decode cache (KV cache or recurrent state) over all layers."""
     return sum(block.cache_bytes(batch_size, context_length) for block in self.blocks)
+
+
+def document_decoders():
+  """The registered mixers whose decode takes packed documents at their default settings."""
+  return [name for name, cls in attention.REGISTRY.items()
+          if not cls.document_decode_refusal(cls.hyperparameters)]
 
 
 def apply_to_batch(model, batch: dict):

@@ -8,7 +8,8 @@ Shape letters used in names throughout research/model/attention and research/mod
 A mixer maps [batch, length, d_model] to the same shape, causally. It supports
   * full-sequence forward `__call__(x, positions)` for training and evaluation,
   * incremental decode `decode(x, cache, index)` from `init_cache(batch, max_length)`, for one or
-    more new tokens at sequence positions index, index + 1, ...,
+    more new tokens at sequence positions index, index + 1, ..., and with `documents` for packed
+    documents where `document_decode_refusal` gives None,
   * (rarely) `call_with_carry` / `decode_with_carry`, for what a layer leaves to later layers,
   * `cache_bytes(batch, context_length)`: the size of that cache, read off its shapes,
   * `mixing_flops_per_token(context_length)`: forward FLOPs per token that are not parameter
@@ -87,6 +88,14 @@ class Mixer(nnx.Module):
     return None
 
   @classmethod
+  def document_decode_refusal(cls, settings):
+    """Why `decode` cannot take packed documents (`documents`, masks.DecodeDocuments: a new
+    document may start at any token of any row), or None where it can. The model refuses a
+    document cache naming the mixers that give a reason (LanguageModel.init_cache)."""
+    del settings
+    return "its decode has no document boundaries"
+
+  @classmethod
   def chunk_length(cls, settings):
     """Tokens per chunk (or block) of the chunked form that carries a state from chunk to chunk,
     or None for a mixer without one: the conformance suite runs >= 3 of them."""
@@ -114,7 +123,9 @@ class Mixer(nnx.Module):
   def init_cache(self, batch_size, max_length):
     raise NotImplementedError
 
-  def decode(self, x_BxTxD, cache, index):
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    """(outputs [B, T, D], the cache) of T new tokens at indices index.. index + T - 1; with
+    `documents` (only where document_decode_refusal gives None), of packed documents."""
     raise NotImplementedError
 
   # Values that one layer leaves for the later layers of the same forward pass or decode step
@@ -125,8 +136,9 @@ class Mixer(nnx.Module):
   def call_with_carry(self, x_BxLxD, positions_BxL, segments_BxL, carry):
     return self(x_BxLxD, positions_BxL, segments_BxL), carry
 
-  def decode_with_carry(self, x_BxTxD, cache, index, carry):
-    return (*self.decode(x_BxTxD, cache, index), carry)
+  def decode_with_carry(self, x_BxTxD, cache, index, carry, documents=None):
+    kept = {} if documents is None else {"documents": documents}
+    return (*self.decode(x_BxTxD, cache, index, **kept), carry)
 
   def mixing_flops_per_token(self, context_length):
     raise NotImplementedError
@@ -184,3 +196,21 @@ def output_projection(heads, head_dim, d_model, *, rngs, dtype,
 def new_positions(index, num_tokens):
   """Positions [1, T] of T new tokens that follow `index` cached ones."""
   return (index + jnp.arange(num_tokens))[None]
+
+
+def no_refusal(cls, settings):
+  """`document_decode_refusal` of a mixer whose decode takes packed documents."""
+  del cls, settings
+
+
+def decode_inputs(mixer, x_BxTxD, cache, index, documents=None):
+  """(cache, positions [B | 1, T], segment ids [B, T] or None) with which a recurrent mixer's
+  chunked form decodes T new tokens at `index`: without `documents`, the cache and the token
+  indices; with them (masks.DecodeDocuments), the cache restarted (init_cache's) in the rows
+  whose first new token starts a document, the positions within documents and the segment ids,
+  at whose later starts the chunked form restarts (its cache belongs to the first token's
+  segment)."""
+  if documents is None:
+    return cache, new_positions(index, x_BxTxD.shape[1]), None
+  return (documents.restarted(cache, mixer.init_cache(x_BxTxD.shape[0], 0)),
+          documents.positions_BxT, documents.segments_BxT)

@@ -163,6 +163,11 @@ class BaseConv(base.Mixer):
               "filter": self.long_filter(max_length)}
     return {"conv": jnp.zeros((batch_size, self.kernel_size - 1, self.d_model), self.dtype)}
 
+  @classmethod
+  def document_decode_refusal(cls, settings):
+    del settings
+    return "its decode keeps no document boundary in its convolution buffers"
+
   def decode(self, x_BxTxD, cache, index):
     if self.long:
       history = hyena.write_history(cache["history"], x_BxTxD, index)

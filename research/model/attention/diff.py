@@ -210,14 +210,12 @@ class DifferentialAttention(softmax.SoftmaxAttention):
     return self.kv_cache.init(batch_size, max_length, key_dim=2 * self.head_dim,
                               value_dim=self.value_head_dim, dtype=self.dtype)
 
-  def decode(self, x_BxTxD, cache, index):
+  def decode(self, x_BxTxD, cache, index, documents=None):
     """T new tokens against the cache and each other: the sequence path into an empty cache,
     else the cache's attention with the keys in pairs and the queries padded to match
-    (paired_keys, paired_queries), the same logits."""
-    positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
-    q, tokens = self.project(x_BxTxD, positions_1xT, cache=cache, index=index)
-    sinks = self.sink_queries(x_BxTxD, positions_1xT, tokens, positions_1xT, cache=cache,
-                              index=index)
+    (paired_keys, paired_queries), the same logits; `documents` as SoftmaxAttention.decode."""
+    index_1xT, positions_BxT, segments_BxT, q, tokens, sinks = self.decode_inputs(
+        x_BxTxD, cache, index, documents)
     stored = {"key": paired_keys(tokens["key"]), "value": tokens["value"]}
     score_mod, params = self.score_mod()
     lambda_full = self.lambda_full()
@@ -227,16 +225,16 @@ class DifferentialAttention(softmax.SoftmaxAttention):
       paired_sinks = None if sinks is None else core.SinkQueries(
           None if sinks.q is None else paired_queries(sinks.q), sinks.inputs)
       o_BxTx2NxV, cache = self.kv_cache.attend(
-          paired_queries(q), stored, cache, positions_1xT, scale=self.scale(),
+          paired_queries(q), stored, cache, index_1xT, scale=self.scale(),
           score_mod=score_mod, score_params=params, score_inputs=self.score_inputs,
-          sink_queries=paired_sinks)
+          sink_queries=paired_sinks, documents=documents)
       return self.head_outputs(differential_heads(o_BxTx2NxV, lambda_full)), cache
 
     def prefill_empty(q, tokens, stored, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
       stored = {name: x.astype(cache[name].dtype) for name, x in stored.items()}
-      return (self.attend(q, tokens, positions_1xT, sink_queries=sinks),
-              self.kv_cache.write(stored, cache, positions_1xT[0]))
+      return (self.attend(q, tokens, positions_BxT, segments_BxT, sink_queries=sinks),
+              self.kv_cache.write(stored, cache, index_1xT[0]))
 
     if x_BxTxD.shape[1] == 1:
       y, cache = from_cache(q, tokens, stored, cache)

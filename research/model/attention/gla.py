@@ -110,9 +110,11 @@ class GatedLinearAttention(base.Mixer):
     return {"state": jnp.zeros((batch_size, self.num_heads, self.head_dim, self.value_dim),
                                jnp.float32)}
 
-  def decode(self, x_BxTxD, cache, index):
-    del index
-    return self._mix(x_BxTxD, cache)
+  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
+    return self._mix(x_BxTxD, cache, segments_BxT)
 
   def mixing_flops_per_token(self, context_length):
     n, h, e = self.num_heads, self.head_dim, self.value_dim

@@ -282,6 +282,11 @@ class Hyena(base.Mixer):
             "history": jnp.zeros((batch_size, max_length, self.d_model), self.dtype),
             "filter": self.implicit_filter(max_length)}
 
+  @classmethod
+  def document_decode_refusal(cls, settings):
+    del settings
+    return "its long convolution's history buffer keeps no document boundary"
+
   def decode(self, x_BxTxD, cache, index):
     v, x2, window = self._gated_inputs(x_BxTxD, cache["conv"])
     history = write_history(cache["history"], v, index)

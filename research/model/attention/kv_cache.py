@@ -11,6 +11,12 @@ the cache where it is written (in the [B, S, K, H] layout of the sequence path, 
 whole cache transposed at every step: about two thirds of a step's time at 4096 tokens). Any
 other per-token array a mixer keeps (FoX's cumulative log forget gates) is [B, S, ...].
 
+Packed documents (masks.DecodeDocuments: a document may start anywhere, in any row) need no
+entry of their own: segment ids never decrease, so a cached key is in a query's document iff its
+token index is at or after that document's start, and its position is its index less that start.
+A rolling cache with sinks keeps the first S tokens of the stream, not of each document, and is
+refused with documents.
+
 Attention of T new tokens at indices index..index + T - 1 (`KVCache.attend`): the full layout
 writes them first and attends to the cache up to them (reading before the write, XLA copies the
 cache to keep the old values for the readers); the rolling layout attends to the cached slots and
@@ -125,6 +131,24 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
   return out_BxTxKxGxV.reshape(b, t, n, width).astype(q_BxTxNxH.dtype)
 
 
+def full_cache_keys(mask_spec, index_1xT, num_slots, documents=None):
+  """(mask [B | 1, 1, T, S], the keys' positions [B | 1, S]) of T new tokens at token indices
+  index_1xT against a full cache of `num_slots` slots (token p in slot p), the new tokens
+  written: visible by the mask spec (slots after the last new token are the future), and with
+  `documents` (masks.DecodeDocuments) in the query's document, each key at its position in its
+  document (the open one's before the new tokens, theirs after)."""
+  slots_S = jnp.arange(num_slots)
+  mask = mask_spec.visible(index_1xT[0], slots_S)[None, None]
+  if documents is None:
+    return mask, slots_S[None]
+  starts_BxS = jnp.broadcast_to(documents.open_start_B[:, None],
+                                (documents.starts_BxT.shape[0], num_slots))
+  starts_BxS = jax.lax.dynamic_update_slice_in_dim(starts_BxS, documents.starts_BxT,
+                                                   index_1xT[0, 0], 1)
+  return (mask & documents.keys_in_documents(slots_S),
+          jnp.maximum(slots_S[None] - starts_BxS, 0))
+
+
 class KVCache:
   """The cache layout for a mask spec (full, or rolling with a window), and attention to it.
 
@@ -194,22 +218,35 @@ class KVCache:
 
   def attend(self, q_BxTxNxH, tokens, cache, positions_1xT, *, scale, score_mod=None,
              score_params=(), score_inputs=lambda positions, arrays: positions,
-             sink_queries=None):
+             sink_queries=None, documents=None):
     """(attention of the new tokens' queries to the cache and to each other [B, T, N, V], the
-    cache with their arrays written). tokens: the new tokens' per-token arrays, [B, T, ...] (key
-    and value [B, T, K, H]); score_inputs(positions, arrays) gives the score inputs of tokens at
-    `positions` from their arrays (new ones, or as the cache keeps them); sink_queries
-    (core.SinkQueries) the queries of the sink pairs under StreamingLLM's cache positions."""
+    cache with their arrays written). positions_1xT: the new tokens' token indices, which are
+    also their positions unless `documents` (masks.DecodeDocuments: packed documents, a new one
+    may start anywhere) gives positions within documents and keeps each query to the keys of
+    its own; tokens: the new tokens' per-token arrays, [B, T, ...] (key and value [B, T, K,
+    H]); score_inputs(positions, arrays) gives the score inputs of tokens at `positions` from
+    their arrays (new ones, or as the cache keeps them); sink_queries (core.SinkQueries) the
+    queries of the sink pairs under StreamingLLM's cache positions (not with documents: the
+    rolling cache keeps the first S tokens of the stream, not of each document)."""
+    if documents is not None and self.sinks:
+      raise ValueError("the rolling cache keeps the first S tokens of the stream, not of each "
+                       "document: packed documents decode without sinks")
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-    q_inputs = score_inputs(positions_1xT, tokens)
+    q_inputs = score_inputs(positions_1xT if documents is None else documents.positions_BxT,
+                            tokens)
     if self.rolling:
       new_index_T, key_index_S = positions_1xT[0], cache["index"]
-      mask = self.mask.visible(new_index_T, key_index_S) & (key_index_S >= 0)
+      mask = (self.mask.visible(new_index_T, key_index_S) & (key_index_S >= 0))[None, None]
+      own_mask = self.mask.visible(new_index_T, new_index_T)[None, None]
       # Empty slots (-1) are masked; their score inputs are taken at position 0 (finite).
-      cached = (cache["key"], cache["value"], q_inputs,
-                score_inputs(jnp.maximum(key_index_S, 0)[None], cache), mask[None, None])
+      key_positions = jnp.maximum(key_index_S, 0)[None]
+      if documents is not None:
+        mask &= documents.keys_in_documents(key_index_S)
+        own_mask &= documents.keys_in_documents(new_index_T)
+        key_positions = documents.cached_positions(key_index_S[None])
+      cached = (cache["key"], cache["value"], q_inputs, score_inputs(key_positions, cache), mask)
       own = (to_cache_layout("key", tokens["key"]), to_cache_layout("value", tokens["value"]),
-             q_inputs, q_inputs, self.mask.visible(new_index_T, new_index_T)[None, None])
+             q_inputs, q_inputs, own_mask)
       if sink_queries is not None and self.sinks:
         # The sinks sit in the first S slots (token p < S in slot p); among the new tokens any
         # may be a sink of a later one.
@@ -223,9 +260,9 @@ class KVCache:
     cache = self.write(tokens, cache, positions_1xT[0])
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.
     slots_S = jnp.arange(cache["key"].shape[1])
-    mask = self.mask.visible(positions_1xT[0], slots_S)[None, None]
+    mask, key_positions = full_cache_keys(self.mask, positions_1xT, slots_S.shape[0], documents)
     y = cached_attention(q_BxTxNxH, [(cache["key"], cache["value"], q_inputs,
-                                      score_inputs(slots_S[None], cache), mask)],
+                                      score_inputs(key_positions, cache), mask)],
                          scale, score_mod, score_params)
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).

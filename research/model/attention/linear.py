@@ -132,8 +132,10 @@ class LinearAttention(base.Mixer):
     n, h = self.num_heads, self.head_dim
     return (jnp.zeros((batch_size, n, h, h), jnp.float32), jnp.zeros((batch_size, n, h), jnp.float32))
 
-  def decode(self, x_BxTxD, cache, index):
-    return self._mix(x_BxTxD, cache, base.new_positions(index, x_BxTxD.shape[1]))
+  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    return self._mix(x_BxTxD, *base.decode_inputs(self, x_BxTxD, cache, index, documents))
 
   def mixing_flops_per_token(self, context_length):
     n, h, c = self.num_heads, self.head_dim, min(self.chunk_size, context_length)

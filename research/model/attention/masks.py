@@ -123,6 +123,61 @@ def cache_positions(positions_BxL, document_index_BxL, window, sinks):
   return (positions_BxL - evicted).astype(positions_BxL.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeDocuments:
+  """Packed documents in decoding: T new tokens at token indices index..index + T - 1 of a
+  cache whose last token belongs to the document that started at `open_start_B`.
+
+    segments_BxT   the new tokens' segment ids (continuing the ids of the cached tokens)
+    positions_BxT  their positions: index within their documents
+    starts_BxT     the token index at which each new token's document starts; a key at token
+                   index j is in query t's document iff starts[t] <= j <= t (ids never decrease)
+    open_start_B   where the document of the cache's last token started: the cached keys any new
+                   token can see are those of this document, at positions j - open_start
+    restart_B      the first new token starts a document, so a carried state is not its own
+  """
+  segments_BxT: jax.Array
+  positions_BxT: jax.Array
+  starts_BxT: jax.Array
+  open_start_B: jax.Array
+  restart_B: jax.Array
+
+  def keys_in_documents(self, k_index_S):
+    """[B, 1, T, S] bool: the key at token index k_index_S[s] (-1: none) is in query t's
+    document (whether it is visible is the mask spec's to say)."""
+    return (k_index_S[None, None, :] >= self.starts_BxT[:, :, None])[:, None]
+
+  def cached_positions(self, k_index_BxS):
+    """Positions [B, S] of cached keys at token indices k_index (in the open document; 0 for
+    keys of earlier documents, which no new token sees)."""
+    return jnp.maximum(k_index_BxS - self.open_start_B[:, None], 0).astype(jnp.int32)
+
+  def restarted(self, cache, empty):
+    """A recurrent mixer's cache (a pytree of [B, ...] arrays), with the rows whose first new
+    token starts a document replaced by the `empty` cache (init_cache's)."""
+    def select(carried, fresh):
+      restart = self.restart_B.reshape((-1,) + (1,) * (carried.ndim - 1))
+      return jnp.where(restart, fresh, carried)
+    return jax.tree.map(select, cache, empty)
+
+
+def decode_documents(segments_BxT, index, open_segment_B, open_start_B):
+  """DecodeDocuments of T new tokens with segment ids `segments_BxT` that follow `index` cached
+  ones, the last of them in segment `open_segment_B`, whose document started at `open_start_B`.
+  A token starts a document where its id differs from the token's before it (the first token of
+  an empty cache always does)."""
+  t = segments_BxT.shape[1]
+  token_index_T = index + jnp.arange(t, dtype=jnp.int32)
+  previous_BxT = jnp.concatenate([open_segment_B[:, None], segments_BxT[:, :-1]], axis=1)
+  begins_BxT = (segments_BxT != previous_BxT) | (token_index_T == 0)[None]
+  starts_BxT = jax.lax.cummax(
+      jnp.where(begins_BxT, token_index_T[None], open_start_B[:, None]), axis=1)
+  return DecodeDocuments(segments_BxT=segments_BxT,
+                         positions_BxT=(token_index_T[None] - starts_BxT).astype(jnp.int32),
+                         starts_BxT=starts_BxT.astype(jnp.int32), open_start_B=open_start_B,
+                         restart_B=begins_BxT[:, 0])
+
+
 def same_segment(q_segments_BxT, k_segments_BxS):
   """[B, 1, T, S] bool (broadcasts over heads)."""
   return (q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :])[:, None]

@@ -312,43 +312,50 @@ class MultiHeadLatentAttention(base.Mixer):
     width = self.dims.latent + self.dims.rope
     return {"latents": jnp.zeros((batch_size, max_length, width), self.dtype)}
 
-  def absorbed_attention(self, q_BxTxNxH, latents_BxSxF, positions_1xT):
-    """Attention of T queries [B, T, N, d_r + d_n] to the cached rows [B, S, R + d_r] (the new
-    tokens' included), W_UK folded into the queries and W_UV into the output: [B, T, N, d_v].
-    Keys beyond the queries' indices (empty slots, the future) are masked."""
+  def absorbed_attention(self, q_BxTxNxH, latents_BxSxF, positions_1xT, documents=None):
+    """Attention of T queries [B, T, N, d_r + d_n] at token indices positions_1xT to the cached
+    rows [B, S, R + d_r] (the new tokens' included), W_UK folded into the queries and W_UV into
+    the output: [B, T, N, d_v]. Keys beyond the queries' indices (empty slots, the future) are
+    masked, and with `documents` (masks.DecodeDocuments) those of other documents."""
     rope, dtype = self.dims.rope, self.dtype
     w_uk_RxNxH = self.key_up.kernel[...].astype(dtype)
     w_uv_RxNxV = self.value_up.kernel[...].astype(dtype)
     q_latent = jnp.einsum("BTNH,RNH->BTNR", q_BxTxNxH[..., rope:], w_uk_RxNxH)
     # In the cached rows' order, [c, k_r]: one key/value head, [B K, S, R + d_r] with K = 1.
     q_rows = jnp.concatenate([q_latent, q_BxTxNxH[..., :rope]], axis=-1)
-    slots_S = jnp.arange(latents_BxSxF.shape[1])
-    mask = core.CAUSAL.visible(positions_1xT[0], slots_S)[None, None]
+    mask, key_positions = kv_cache.full_cache_keys(core.CAUSAL, positions_1xT,
+                                                   latents_BxSxF.shape[1], documents)
+    q_positions = positions_1xT if documents is None else documents.positions_BxT
     score_mod, params = self.score_mod()
     o_rows = kv_cache.cached_attention(
-        q_rows, [(latents_BxSxF, latents_BxSxF, positions_1xT, slots_S[None], mask)],
+        q_rows, [(latents_BxSxF, latents_BxSxF, q_positions, key_positions, mask)],
         self.scale(), score_mod, params)
     return jnp.einsum("BTNR,RNV->BTNV", o_rows[..., :self.dims.latent], w_uv_RxNxV)
 
-  def decode(self, x_BxTxD, cache, index):
+  document_decode_refusal = classmethod(base.no_refusal)  # the full cache's document mask
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
     """T new tokens at indices index..index + T - 1: their latents written into the cache, then
     the absorbed attention to it; a prompt into an empty cache runs the expanded sequence path
-    (the cheaper one with T queries to T keys)."""
+    (the cheaper one with T queries to T keys). `documents`: packed documents
+    (masks.DecodeDocuments)."""
     t, slots = x_BxTxD.shape[1], cache["latents"].shape[1]
     if t > slots:
       raise ValueError(f"{t} new tokens do not fit in a decode cache of {slots} tokens: "
                        "init_cache with max_length >= the prompt and the tokens to generate")
-    positions_1xT = base.new_positions(index, t)
-    q = self.queries(x_BxTxD, positions_1xT)
-    latents = self.latents(x_BxTxD, positions_1xT).astype(cache["latents"].dtype)
+    index_1xT = base.new_positions(index, t)
+    positions_BxT = index_1xT if documents is None else documents.positions_BxT
+    segments_BxT = None if documents is None else documents.segments_BxT
+    q = self.queries(x_BxTxD, positions_BxT)
+    latents = self.latents(x_BxTxD, positions_BxT).astype(cache["latents"].dtype)
     cache = {"latents": jax.lax.dynamic_update_slice_in_dim(cache["latents"], latents, index, 1)}
 
     def prefill_empty(q, latents, cache):
-      return self.attend(q, *self.keys_and_values(latents), positions_1xT)
+      return self.attend(q, *self.keys_and_values(latents), positions_BxT, segments_BxT)
 
     def from_cache(q, latents, cache):
       del latents
-      return self.absorbed_attention(q, cache["latents"], positions_1xT)
+      return self.absorbed_attention(q, cache["latents"], index_1xT, documents)
 
     if t == 1:
       y = from_cache(q, latents, cache)

@@ -440,6 +440,12 @@ class MoBA(softmax.SoftmaxAttention):
     candidate = jnp.arange(count) < (positions_1xT // self.chunk_size)[:, None, :, None]
     return select(gates, candidate, picks)
 
+  @classmethod
+  def document_decode_refusal(cls, settings):
+    del settings
+    return ("its blocks restart at each document in a sequence, while its decode routes over "
+            "the cache's fixed blocks of token indices")
+
   def decode(self, x_BxTxD, cache, index):
     """T new tokens at indices index..index + T - 1: written to the cache, then attending to
     their own and selected blocks there; a prompt into an empty cache runs the sequence path."""

@@ -286,6 +286,12 @@ class NativeSparseAttention(base.Mixer):
       o_swa = o_swa.astype(jnp.float32)
     return self._combine(gates, o_cmp, o_slc.astype(jnp.float32), o_swa)
 
+  @classmethod
+  def document_decode_refusal(cls, settings):
+    del settings
+    return ("its compressed and selected blocks restart at each document in a sequence, while "
+            "its decode cuts the cache into fixed blocks of token indices")
+
   def decode(self, x_BxTxD, cache, index):
     """T new tokens at indices index..index + T - 1: written to the cache, then their three
     branches over it; a prompt into an empty cache runs the sequence path."""

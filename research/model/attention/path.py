@@ -230,10 +230,11 @@ class PaTHAttention(base.Mixer):
   def scale(self):
     return self.head_dim ** -0.5
 
-  def _project(self, x_BxTxD, positions_BxT, conv_window, segments_BxT=None):
+  def _project(self, x_BxTxD, positions_BxT, conv_window, segments_BxT=None,
+               continues_cache=False):
     """Per token (heads first, float32 but v): q [B, K, G, T, H], k, w [B, K, T, H], beta
-    [B, K, T], v [B, T, K, H], c [B, T, N] (None without the gate; restarting per document),
-    and the convolution's next window."""
+    [B, K, T], v [B, T, K, H], c [B, T, N] (None without the gate; restarting per document, but
+    for the first one if it `continues_cache`), and the convolution's next window."""
     b, t, _ = x_BxTxD.shape
     kv, g = self.num_kv_heads, self.kv_group_size()
     q = self.position.queries(self.query(x_BxTxD), positions_BxT).astype(jnp.float32)
@@ -254,7 +255,10 @@ class PaTHAttention(base.Mixer):
       c = jnp.cumsum(jax.nn.log_sigmoid(self.forget_gate(x_BxTxD).astype(jnp.float32)), axis=1)
       if segments_BxT is not None:  # restart at each document's first token
         first_BxT = jnp.arange(t) - masks.positions_in_documents(segments_BxT)
-        c = c - jnp.take_along_axis(c, first_BxT[:, :, None], axis=1)
+        shift = jnp.take_along_axis(c, first_BxT[:, :, None], axis=1)
+        if continues_cache:  # the first document goes on from the cached c (a constant shift)
+          shift = jnp.where((segments_BxT == segments_BxT[:, :1])[..., None], 0.0, shift)
+        c = c - shift
     heads_first = lambda x: jnp.moveaxis(x, 1, 2)  # noqa: E731  [B, T, K, ...] -> [B, K, T, ...]
     q = q.reshape(b, t, kv, g, -1).transpose(0, 2, 3, 1, 4)
     return (q, heads_first(k), heads_first(w), heads_first(beta), self.value(x_BxTxD), c,
@@ -300,13 +304,24 @@ class PaTHAttention(base.Mixer):
       cache["log_forget"] = jnp.zeros((batch_size, max_length, self.num_heads), jnp.float32)
     return cache
 
-  def decode(self, x_BxTxD, cache, index):
+  # With documents every transform between a query and a key it sees lies in their document; a
+  # key moved past a later document's transforms is seen by none of its queries.
+  document_decode_refusal = classmethod(base.no_refusal)
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
     """T new tokens at indices index..index + T - 1 against the cache and each other (module
-    docstring); returns their outputs and the cache with every key moved to the last token."""
+    docstring); returns their outputs and the cache with every key moved to the last token.
+    `documents` (masks.DecodeDocuments): packed documents, each query sees the keys of its
+    own, and the convolution restarts at each."""
     b, t, _ = x_BxTxD.shape
     n, slots = self.num_heads, cache["key"].shape[2]
-    positions_1xT = base.new_positions(index, t)
-    q, k, w, beta, v, c, window = self._project(x_BxTxD, positions_1xT, cache["conv"])
+    index_1xT = base.new_positions(index, t)
+    conv = cache["conv"]
+    if documents is not None:
+      conv = documents.restarted(conv, self._empty_window(b))
+    q, k, w, beta, v, c, window = self._project(
+        x_BxTxD, index_1xT if documents is None else documents.positions_BxT, conv,
+        None if documents is None else documents.segments_BxT, continues_cache=True)
     new_scores, q_start = path_logits(q, k, w, beta, self.chunk_size)
     cached_scores = jnp.einsum("bkgth,bksh->bkgts", q_start, cache["key"])
     scores = jnp.concatenate([cached_scores, new_scores], axis=-1).reshape(b, n, t, slots + t)
@@ -318,6 +333,9 @@ class PaTHAttention(base.Mixer):
                          - c_keys.transpose(0, 2, 1)[..., None, :])
     visible = jnp.concatenate([jnp.broadcast_to(jnp.arange(slots) < index, (t, slots)),
                                jnp.tril(jnp.ones((t, t), bool))], axis=1)
+    if documents is not None:  # [B, 1, T, S + T]
+      visible = visible & documents.keys_in_documents(
+          jnp.concatenate([jnp.arange(slots), index_1xT[0]]))
     probs = jax.nn.softmax(jnp.where(visible, scores * self.scale(), -jnp.inf), axis=-1)
     values = jnp.concatenate([cache["value"], jnp.moveaxis(v, 1, 2).astype(self.dtype)], axis=2)
     o = core.grouped_values(probs, jnp.moveaxis(values, 1, 2))

@@ -169,8 +169,11 @@ class Retention(base.Mixer):
     h = self.head_dim
     return jnp.zeros((batch_size, self.num_heads, h, h), jnp.float32)
 
-  def decode(self, x_BxTxD, state_BxNxHxH, index):
-    return self._mix(x_BxTxD, state_BxNxHxH, base.new_positions(index, x_BxTxD.shape[1]))
+  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
+
+  def decode(self, x_BxTxD, state_BxNxHxH, index, documents=None):
+    return self._mix(x_BxTxD, *base.decode_inputs(self, x_BxTxD, state_BxNxHxH, index,
+                                                  documents))
 
   def mixing_flops_per_token(self, context_length):
     # Within a chunk: q k^T and scores @ v (2 FLOPs per multiply-add) over (C + 1) / 2 keys on

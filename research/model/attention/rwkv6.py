@@ -100,9 +100,11 @@ class ShiftAndMatrixState(base.Mixer):
     return {"shift": jnp.zeros((batch_size, n * h), self.dtype),
             "state": jnp.zeros((batch_size, n, h, h), jnp.float32)}
 
-  def decode(self, x_BxTxD, cache, index):
-    del index
-    return self._mix(x_BxTxD, cache)
+  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
+    return self._mix(x_BxTxD, cache, segments_BxT)
 
 
 class RWKV6(ShiftAndMatrixState):

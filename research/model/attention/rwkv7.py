@@ -298,12 +298,12 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
                             carry=carry)
     return y, carry
 
-  def decode(self, x_BxTxD, cache, index):
-    return self.decode_with_carry(x_BxTxD, cache, index, {})[:2]
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    return self.decode_with_carry(x_BxTxD, cache, index, {}, documents)[:2]
 
-  def decode_with_carry(self, x_BxTxD, cache, index, carry):
-    del index
-    return self._mix(x_BxTxD, cache, carry=carry)
+  def decode_with_carry(self, x_BxTxD, cache, index, carry, documents=None):
+    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
+    return self._mix(x_BxTxD, cache, segments_BxT, carry=carry)
 
   def _lora(self, name, x_BxTxD):
     """activation(x A) B [B, T, N, H] of the low-rank map `name`."""

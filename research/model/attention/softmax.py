@@ -319,26 +319,48 @@ class SoftmaxAttention(base.Mixer):
     return self.kv_cache.init(batch_size, max_length, key_dim=self.head_dim,
                               value_dim=self.value_head_dim, dtype=self.dtype)
 
-  def decode(self, x_BxTxD, cache, index):
+  @classmethod
+  def document_decode_refusal(cls, settings):
+    """Packed documents decode through the cache (kv_cache.KVCache.attend), except with sinks:
+    the rolling cache keeps the first S tokens of the stream, not of each document."""
+    if settings.get("window", 0) and settings.get("sinks", 0):
+      return ("its rolling cache keeps the first sinks tokens of the stream, not of each "
+              "document (set sinks=0)")
+    return None
+
+  def decode_inputs(self, x_BxTxD, cache, index, documents=None):
+    """(token indices [1, T], positions [B | 1, T], segment ids [B, T] or None, queries, the
+    per-token arrays of `project`, sink queries) of T new tokens at `index`: the positions are
+    the token indices without documents and restart at each document with them (then without
+    sinks, which document_decode_refusal refuses)."""
+    index_1xT = base.new_positions(index, x_BxTxD.shape[1])
+    positions_BxT = index_1xT if documents is None else documents.positions_BxT
+    segments_BxT = None if documents is None else documents.segments_BxT
+    q, tokens = self.project(x_BxTxD, positions_BxT, cache=cache, index=index)
+    # Without documents a token's index in its document is its index.
+    sinks = (None if documents is not None else
+             self.sink_queries(x_BxTxD, index_1xT, tokens, index_1xT, cache=cache, index=index))
+    return index_1xT, positions_BxT, segments_BxT, q, tokens, sinks
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
     """T new tokens at indices index..index + T - 1 against the cache and each other, in one
     pass; returns their outputs and the cache with their arrays written. A prompt into an empty
-    cache attends only to itself: the sequence path (blockwise skips masked tiles)."""
-    positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
-    q, tokens = self.project(x_BxTxD, positions_1xT, cache=cache, index=index)
-    # Decoding has no documents: a token's index in its document is its index.
-    sinks = self.sink_queries(x_BxTxD, positions_1xT, tokens, positions_1xT, cache=cache,
-                              index=index)
+    cache attends only to itself: the sequence path (blockwise skips masked tiles). `documents`
+    (masks.DecodeDocuments): packed documents, each token sees only its own."""
+    index_1xT, positions_BxT, segments_BxT, q, tokens, sinks = self.decode_inputs(
+        x_BxTxD, cache, index, documents)
     score_mod, params = self.score_mod()
 
     def from_cache(q, tokens, cache):
-      return self.kv_cache.attend(q, tokens, cache, positions_1xT, scale=self.scale(),
+      return self.kv_cache.attend(q, tokens, cache, index_1xT, scale=self.scale(),
                                   score_mod=score_mod, score_params=params,
-                                  score_inputs=self.score_inputs, sink_queries=sinks)
+                                  score_inputs=self.score_inputs, sink_queries=sinks,
+                                  documents=documents)
 
     def prefill_empty(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-      return (self.attend(q, tokens, positions_1xT, sink_queries=sinks),
-              self.kv_cache.write(tokens, cache, positions_1xT[0]))
+      return (self.attend(q, tokens, positions_BxT, segments_BxT, sink_queries=sinks),
+              self.kv_cache.write(tokens, cache, index_1xT[0]))
 
     if x_BxTxD.shape[1] == 1:
       y, cache = from_cache(q, tokens, cache)

@@ -280,9 +280,11 @@ class Mamba(base.Mixer):
     return {"conv": jnp.zeros((batch_size, self.conv_width - 1, self.d_inner), self.dtype),
             "ssm": jnp.zeros((batch_size, self.d_inner, self.state_size), jnp.float32)}
 
-  def decode(self, x_BxTxD, cache, index):
-    del index
-    return self._mix(x_BxTxD, cache)
+  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
+    return self._mix(x_BxTxD, cache, segments_BxT)
 
   def mixing_flops_per_token(self, context_length):
     del context_length

@@ -60,11 +60,12 @@ REMAINDERS = ("bias", "value", "none")
 NORM_EPSILON = 1e-5  # torch.nn.GroupNorm's default, as the authors' layer
 
 
-def cached_stick_breaking(q_BxTxNxH, cache, new_index_T, scale, attend_current):
+def cached_stick_breaking(q_BxTxNxH, cache, new_index_T, scale, attend_current, documents=None):
   """(sum_j A_ij v_j [B, T, N, V] float32, the remainders 1 - sum_j A_ij [B, T, N]) of T new
   queries at token indices new_index_T against a full KV cache (kv_cache.KVCache's layout:
   keys [B K, S, H], values [B K, S, V], token s in slot s) that already holds them: the
-  weights over every slot before the query (or up to it), materialised in float32."""
+  weights over every slot before the query (or up to it) and, with `documents`
+  (masks.DecodeDocuments), in its document, materialised in float32."""
   b, t, n, h = q_BxTxNxH.shape
   keys, values = cache["key"], cache["value"]
   rows, slots = keys.shape[:2]
@@ -76,6 +77,8 @@ def cached_stick_breaking(q_BxTxNxH, cache, new_index_T, scale, attend_current):
   slot_S = jnp.arange(slots)
   visible = stick_breaking_kernel.visible_keys(slot_S[None, :] <= new_index_T[:, None],
                                                new_index_T, slot_S, attend_current)
+  if documents is not None:  # [B K, 1, T, S]: rows are batch-major
+    visible = visible & jnp.repeat(documents.keys_in_documents(slot_S), kv_heads, axis=0)
   a_XxGxTxS = stick_breaking_kernel.weights(logits * scale, visible)
   out = jnp.einsum("XGTS,XSV->XGTV", a_XxGxTxS.astype(values.dtype), values,
                    preferred_element_type=jnp.float32)
@@ -202,25 +205,30 @@ class StickBreakingAttention(base.Mixer):
     return self.kv_cache.init(batch_size, max_length, key_dim=self.head_dim,
                               value_dim=self.head_dim, dtype=self.dtype)
 
-  def decode(self, x_BxTxD, cache, index):
+  document_decode_refusal = classmethod(base.no_refusal)  # the full cache's document mask
+
+  def decode(self, x_BxTxD, cache, index, documents=None):
     """T new tokens at indices index..index + T - 1 against the cache and each other: written,
     then weighted over every cached key (`cached_stick_breaking`); a prompt into an empty cache
-    takes the sequence path (blockwise skips masked tiles)."""
-    positions_1xT = base.new_positions(index, x_BxTxD.shape[1])
-    q, tokens = self.project(x_BxTxD, positions_1xT)
+    takes the sequence path (blockwise skips masked tiles). `documents`: packed documents
+    (masks.DecodeDocuments)."""
+    index_1xT = base.new_positions(index, x_BxTxD.shape[1])
+    segments_BxT = None if documents is None else documents.segments_BxT
+    q, tokens = self.project(x_BxTxD,
+                             index_1xT if documents is None else documents.positions_BxT)
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-    cache = self.kv_cache.write(tokens, cache, positions_1xT[0])
+    cache = self.kv_cache.write(tokens, cache, index_1xT[0])
 
     def from_cache(q, tokens, cache):
-      o, remainder = cached_stick_breaking(q, cache, positions_1xT[0], self.scale(),
-                                           self.attend_current)
+      o, remainder = cached_stick_breaking(q, cache, index_1xT[0], self.scale(),
+                                           self.attend_current, documents)
       # Past the cache's end the write clamped and overwrote the last slots: NaN, not wrong.
       fits = index + q.shape[1] <= cache["key"].shape[1]
       return jnp.where(fits, o, jnp.nan), remainder
 
     def prefill_empty(q, tokens, cache):
       del cache
-      o, remainder = self.attend(q, tokens)
+      o, remainder = self.attend(q, tokens, segments_BxT)
       return o.astype(jnp.float32), remainder
 
     if x_BxTxD.shape[1] == 1:

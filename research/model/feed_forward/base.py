@@ -100,8 +100,10 @@ class FeedForward(nnx.Module):
     del batch_size, max_length
     return None
 
-  def decode(self, x_BxTxD, cache, index):
-    del index
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    """One token at a time needs no cache; with packed documents (masks.DecodeDocuments) as
+    without them. A feed-forward with a cache keeps each document's to itself."""
+    del index, documents
     return self(x_BxTxD), cache
 
   def idle_params_per_token(self):

@@ -68,6 +68,11 @@ class RWKVChannelMix(base.FeedForward):
     del max_length  # the last token only
     return jnp.zeros((batch_size, self.d_model), self.dtype)
 
-  def decode(self, x_BxTxD, cache, index):
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    """With packed documents (masks.DecodeDocuments) the token shift sees 0 before each
+    document's first token."""
     del index
-    return self._mix(x_BxTxD, cache)
+    if documents is None:
+      return self._mix(x_BxTxD, cache)
+    return self._mix(x_BxTxD, documents.restarted(cache, self.init_cache(x_BxTxD.shape[0], 0)),
+                     documents.segments_BxT)
