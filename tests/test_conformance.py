@@ -292,9 +292,9 @@ def _decodes_documents(name, window):
 
 # Packed documents decoded (Mixer.document_decode_refusal is None): each such mixer with `none`,
 # the first mixer with each scheme (positions restart at each document), each feed-forward (a
-# feed-forward with a cache keeps each document's), and each window without sinks (the rolling
-# cache).
-DOCUMENT_DECODED = [v for v in SHARDED + [w for w in VARIANTS if w.values[3] and not w.values[3][1]]
+# feed-forward with a cache keeps each document's), and each window, with sinks (each row's
+# rolling cache keeps its open document's) and without.
+DOCUMENT_DECODED = [v for v in SHARDED + [w for w in VARIANTS if w.values[3]]
                     if _decodes_documents(v.values[0], v.values[3])]
 
 

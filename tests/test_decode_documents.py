@@ -29,12 +29,7 @@ def test_a_mixer_that_cannot_decode_documents_is_refused_by_name(name):
   model.init_cache(2, 8)  # the plain cache still builds
 
 
-def test_sinks_and_the_fixed_sparse_pattern_are_refused_their_settings_named():
-  model = _model(attention="mha", position="rope", softmax=dict(window=4, sinks=2))
-  with pytest.raises(ValueError, match="first sinks tokens of the stream.*set sinks=0"):
-    model.init_cache(2, 8, documents=True)
-  model = _model(attention="mha", position="rope", softmax=dict(window=4, sinks=0))
-  assert "documents" in model.init_cache(2, 8, documents=True)
+def test_the_fixed_sparse_pattern_is_refused_its_setting_named():
   model = _model(attention="sparse", position="none")  # test settings: the fixed pattern
   with pytest.raises(ValueError, match="'fixed' pattern counts from each document's start"):
     model.init_cache(2, 8, documents=True)
@@ -68,16 +63,19 @@ def test_decode_documents_positions_and_starts():
   np.testing.assert_array_equal(documents.restart_B, [True, False])
 
 
-def test_the_strided_sparse_pattern_decodes_documents():
-  """strided's pattern is one of distances (the conformance suite runs sparse's fixed one)."""
-  model = _model(attention="sparse", position="rope",
-                 sparse=dict(pattern="strided", stride=4, summary=128))
-  segments = jnp.asarray([[0] * 5 + [1] * 7, [0] * 12], jnp.int32)
-  tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 61)
+@pytest.mark.parametrize("pattern", [dict(pattern="strided", stride=4),
+                                     dict(pattern="local_global", window=5, global_tokens=2,
+                                          stride=1024)])
+def test_the_other_sparse_patterns_decode_documents(pattern):
+  """strided's pattern is one of distances; local_global's global tokens are the rolling
+  cache's sinks, each document's own (the conformance suite runs sparse's fixed pattern)."""
+  model = _model(attention="sparse", position="rope", sparse=dict(summary=128, **pattern))
+  segments = jnp.asarray([[0] * 5 + [1] * 11, [0] * 16], jnp.int32)
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 61)
   expected = model(tokens, segments_BxL=segments)
-  cache = model.init_cache(2, 12, documents=True)
+  cache = model.init_cache(2, 16, documents=True)
   logits = []
-  for start, end in ((0, 4), (4, 9), (9, 10), (10, 11), (11, 12)):
+  for start, end in ((0, 4), (4, 9), (9, 10), (10, 11), (11, 16)):
     out, cache = model.decode(tokens[:, start:end], cache, segments[:, start:end])
     logits.append(out)
   np.testing.assert_allclose(jnp.concatenate(logits, axis=1), expected, atol=2e-4, rtol=2e-4)

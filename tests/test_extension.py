@@ -1,7 +1,8 @@
 """The README's "Add a variant" example, executed as written: a softmax-family mixer with values
 wider than its queries and keys, and a position scheme with parameters that reads its geometry
 from the mixer, each one file and one registry line, get the conformance suite, both CPU
-backends, windows with sinks, packed documents and decoding with no other edit."""
+backends, windows with sinks, packed documents and decoding (packed documents too) with no
+other edit."""
 
 import os
 import re
@@ -62,6 +63,7 @@ CASES = [("split_heads", "rope", "xla", None), ("split_heads", "learned_slopes",
 CONFORMANCE = [test_conformance.test_shapes_causality_and_gradients,
                test_conformance.test_prefill_in_chunks_then_decode_matches_full_forward,
                test_conformance.test_packed_documents_equal_each_document_alone,
+               test_conformance.test_packed_documents_decode_as_the_packed_forward,
                test_conformance.test_sharded_equals_unsharded]
 
 

@@ -234,7 +234,7 @@ class DifferentialAttention(softmax.SoftmaxAttention):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
       stored = {name: x.astype(cache[name].dtype) for name, x in stored.items()}
       return (self.attend(q, tokens, positions_BxT, segments_BxT, sink_queries=sinks),
-              self.kv_cache.write(stored, cache, index_1xT[0]))
+              self.kv_cache.write(stored, cache, index_1xT[0], documents))
 
     if x_BxTxD.shape[1] == 1:
       y, cache = from_cache(q, tokens, stored, cache)

@@ -14,8 +14,8 @@ other per-token array a mixer keeps (FoX's cumulative log forget gates) is [B, S
 Packed documents (masks.DecodeDocuments: a document may start anywhere, in any row) need no
 entry of their own: segment ids never decrease, so a cached key is in a query's document iff its
 token index is at or after that document's start, and its position is its index less that start.
-A rolling cache with sinks keeps the first S tokens of the stream, not of each document, and is
-refused with documents.
+The rolling layout keeps each row's token indices, [B, slots]: with documents the sink slots
+hold the first S tokens of the row's open document (token d < S of a document in slot d).
 
 Attention of T new tokens at indices index..index + T - 1 (`KVCache.attend`): the full layout
 writes them first and attends to the cache up to them (reading before the write, XLA copies the
@@ -138,14 +138,13 @@ def full_cache_keys(mask_spec, index_1xT, num_slots, documents=None):
   `documents` (masks.DecodeDocuments) in the query's document, each key at its position in its
   document (the open one's before the new tokens, theirs after)."""
   slots_S = jnp.arange(num_slots)
-  mask = mask_spec.visible(index_1xT[0], slots_S)[None, None]
   if documents is None:
-    return mask, slots_S[None]
+    return mask_spec.visible(index_1xT[0], slots_S)[None, None], slots_S[None]
   starts_BxS = jnp.broadcast_to(documents.open_start_B[:, None],
                                 (documents.starts_BxT.shape[0], num_slots))
   starts_BxS = jax.lax.dynamic_update_slice_in_dim(starts_BxS, documents.starts_BxT,
                                                    index_1xT[0, 0], 1)
-  return (mask & documents.keys_in_documents(slots_S),
+  return (mask_spec.visible_in_rows(index_1xT[0], slots_S[None], documents.starts_BxT),
           jnp.maximum(slots_S[None] - starts_BxS, 0))
 
 
@@ -176,26 +175,34 @@ class KVCache:
              "value": jnp.zeros((rows, slots, value_dim), dtype)}
     for name, (shape, entry_dtype) in (extra or {}).items():
       cache[name] = jnp.zeros((batch_size, slots) + tuple(shape), entry_dtype)
-    if self.rolling:  # the token index held by each slot; -1: empty
-      cache["index"] = jnp.full((slots,), -1, jnp.int32)
+    if self.rolling:  # the token index held by each slot of each row; -1: empty
+      cache["index"] = jnp.full((batch_size, slots), -1, jnp.int32)
     return cache
 
-  def slot(self, token_index):
-    """The cache slot of a token: p, or with a window p (p < S) or S + (p - S) mod W."""
+  def slot(self, token_index, document_index=None):
+    """The cache slot of token p: p, or with a window d if d < S (d: its index within its
+    document, p without documents) or S + (p - S) mod W."""
     if not self.rolling:
       return token_index
-    return jnp.where(token_index < self.sinks, token_index,
-                     self.sinks + (token_index - self.sinks) % self.window)
+    d = token_index if document_index is None else document_index
+    return jnp.where(d < self.sinks, d, self.sinks + (token_index - self.sinks) % self.window)
 
   def last(self, cache, name, index):
-    """Entry `name` of token index - 1, [B, ...] (zeros before the first token)."""
-    last = cache[name][:, self.slot(jnp.maximum(index - 1, 0))]
+    """Entry `name` of token index - 1, [B, ...] (zeros before the first token); a rolling
+    cache finds its slot in each row's token indices (the last token is always kept)."""
+    previous = jnp.maximum(index - 1, 0)
+    if self.rolling:
+      slot_B = jnp.argmax(cache["index"] == previous, axis=1)
+      last = cache[name][jnp.arange(slot_B.shape[0]), slot_B]
+    else:
+      last = cache[name][:, previous]
     return jnp.where(index > 0, last, jnp.zeros_like(last))
 
-  def write(self, tokens, cache, new_index_T):
-    """The new tokens' arrays (key, value, ...) written into their slots."""
+  def write(self, tokens, cache, new_index_T, documents=None):
+    """The new tokens' arrays (key, value, ...) written into their slots (`documents`:
+    masks.DecodeDocuments, where the rolling layout puts each document's sinks)."""
     if self.rolling:
-      return self._write_rolling(tokens, cache, new_index_T)
+      return self._write_rolling(tokens, cache, new_index_T, documents)
     new, slots = tokens["key"].shape[1], cache["key"].shape[1]
     if new > slots:
       raise ValueError(f"{new} new tokens do not fit in a decode cache of {slots} tokens: "
@@ -204,17 +211,29 @@ class KVCache:
     return {**cache, **{name: jax.lax.dynamic_update_slice_in_dim(
         cache[name], to_cache_layout(name, x), index, 1) for name, x in tokens.items()}}
 
-  def _write_rolling(self, tokens, cache, new_index_T):
-    """Keep what later tokens can still see: token p in its slot, if it is a sink or among the
-    last W tokens."""
-    last = new_index_T[-1]
-    keep = (new_index_T < self.sinks) | (new_index_T > last - self.window)
+  def _write_rolling(self, tokens, cache, new_index_T, documents=None):
+    """Keep what later tokens can still see: token p in its slot, if it is a sink (of the
+    row's last document, with documents) or, otherwise, among the last W tokens. Each row's
+    slots are its own: with documents the sinks differ between rows."""
+    batch = cache["index"].shape[0]
+    index_1xT = new_index_T[None]
+    if documents is None:
+      within_BxT, in_last_document = index_1xT, True
+    else:
+      within_BxT = documents.positions_BxT
+      in_last_document = documents.starts_BxT == documents.starts_BxT[:, -1:]
+    keep = jnp.where(within_BxT < self.sinks, in_last_document,
+                     index_1xT > new_index_T[-1] - self.window)
     dropped = self.sinks + self.window  # out of range
-    slot = jnp.where(keep, self.slot(new_index_T), dropped)
+    slot_BxT = jnp.broadcast_to(jnp.where(keep, self.slot(index_1xT, within_BxT), dropped),
+                                (batch, new_index_T.shape[0]))
 
-    write = lambda old, new: old.at[:, slot].set(new, mode="drop")
+    def write(old, new):  # [R, slots, ...] with R = B or B K (batch-major)
+      slot = jnp.repeat(slot_BxT, old.shape[0] // batch, axis=0)
+      return old.at[jnp.arange(old.shape[0])[:, None], slot].set(new, mode="drop")
+
     return {**{name: write(cache[name], to_cache_layout(name, x)) for name, x in tokens.items()},
-            "index": cache["index"].at[slot].set(new_index_T, mode="drop")}
+            "index": write(cache["index"], jnp.broadcast_to(index_1xT, slot_BxT.shape))}
 
   def attend(self, q_BxTxNxH, tokens, cache, positions_1xT, *, scale, score_mod=None,
              score_params=(), score_inputs=lambda positions, arrays: positions,
@@ -226,36 +245,33 @@ class KVCache:
     its own; tokens: the new tokens' per-token arrays, [B, T, ...] (key and value [B, T, K,
     H]); score_inputs(positions, arrays) gives the score inputs of tokens at `positions` from
     their arrays (new ones, or as the cache keeps them); sink_queries (core.SinkQueries) the
-    queries of the sink pairs under StreamingLLM's cache positions (not with documents: the
-    rolling cache keeps the first S tokens of the stream, not of each document)."""
-    if documents is not None and self.sinks:
-      raise ValueError("the rolling cache keeps the first S tokens of the stream, not of each "
-                       "document: packed documents decode without sinks")
+    queries of the sink pairs under StreamingLLM's cache positions."""
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
     q_inputs = score_inputs(positions_1xT if documents is None else documents.positions_BxT,
                             tokens)
     if self.rolling:
-      new_index_T, key_index_S = positions_1xT[0], cache["index"]
-      mask = (self.mask.visible(new_index_T, key_index_S) & (key_index_S >= 0))[None, None]
-      own_mask = self.mask.visible(new_index_T, new_index_T)[None, None]
+      new_index_T, key_index_BxS = positions_1xT[0], cache["index"]
+      # Each query's document starts at token 0 without documents: the stream's first S
+      # tokens are the sinks.
+      starts_BxT = (jnp.zeros_like(positions_1xT) if documents is None
+                    else documents.starts_BxT)
+      mask = self.mask.visible_in_rows(new_index_T, key_index_BxS, starts_BxT)
+      own_mask = self.mask.visible_in_rows(new_index_T, new_index_T[None], starts_BxT)
       # Empty slots (-1) are masked; their score inputs are taken at position 0 (finite).
-      key_positions = jnp.maximum(key_index_S, 0)[None]
-      if documents is not None:
-        mask &= documents.keys_in_documents(key_index_S)
-        own_mask &= documents.keys_in_documents(new_index_T)
-        key_positions = documents.cached_positions(key_index_S[None])
+      key_positions = (jnp.maximum(key_index_BxS, 0) if documents is None
+                       else documents.cached_positions(key_index_BxS))
       cached = (cache["key"], cache["value"], q_inputs, score_inputs(key_positions, cache), mask)
       own = (to_cache_layout("key", tokens["key"]), to_cache_layout("value", tokens["value"]),
              q_inputs, q_inputs, own_mask)
       if sink_queries is not None and self.sinks:
-        # The sinks sit in the first S slots (token p < S in slot p); among the new tokens any
-        # may be a sink of a later one.
-        sink_slots = key_index_S[:self.sinks]
-        cached += ((self.mask.sink_pairs(new_index_T, sink_slots) & (sink_slots >= 0))[None, None],)
-        own += (self.mask.sink_pairs(new_index_T, new_index_T)[None, None],)
+        # The sinks sit in the first S slots (a document's token d < S in slot d); among the
+        # new tokens any may be a sink of a later one.
+        cached += (self.mask.sink_pairs_in_rows(new_index_T, key_index_BxS[:, :self.sinks],
+                                                starts_BxT),)
+        own += (self.mask.sink_pairs_in_rows(new_index_T, new_index_T[None], starts_BxT),)
       y = cached_attention(q_BxTxNxH, [cached, own], scale, score_mod, score_params,
                            sink_queries)
-      return y, self._write_rolling(tokens, cache, new_index_T)
+      return y, self._write_rolling(tokens, cache, new_index_T, documents)
     index = positions_1xT[0, 0]
     cache = self.write(tokens, cache, positions_1xT[0])
     # Slots after index + T are still empty; the causal mask (by index) hides them like the future.

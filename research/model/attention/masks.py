@@ -178,6 +178,29 @@ def decode_documents(segments_BxT, index, open_segment_B, open_start_B):
                          restart_B=begins_BxT[:, 0])
 
 
+def visible_in_rows(q_index_T, k_index_BxS, starts_BxT, window=0, sinks=0, keep=None):
+  """[B | 1, 1, T, S] bool: `visible` for keys given per row by token index (-1: an empty slot,
+  never visible), each query's document starting at token starts[b, t] (0 without documents):
+  the key is in that document (start <= j <= i) and within the window or one of the
+  document's first S tokens (j - start < S)."""
+  q, k, start = q_index_T[None, :, None], k_index_BxS[:, None, :], starts_BxT[:, :, None]
+  seen = (k >= 0) & (k <= q) & (k >= start)
+  if keep is not None:
+    seen = seen & keep(q, k)
+  if window:
+    seen = seen & ((q - k < window) | (k - start < sinks))
+  return seen[:, None]
+
+
+def sink_pairs_in_rows(q_index_T, k_index_BxS, starts_BxT, window=0, sinks=0):
+  """[B | 1, 1, T, S] bool: `sink_pairs` for keys given per row (see `visible_in_rows`): seen
+  only as a sink of the query's document, W or more tokens back."""
+  q, k, start = q_index_T[None, :, None], k_index_BxS[:, None, :], starts_BxT[:, :, None]
+  if not (window and sinks):
+    return jnp.zeros((k.shape[0], 1, q.shape[1], k.shape[2]), bool)
+  return ((k >= 0) & (k <= q) & (k >= start) & (q - k >= window) & (k - start < sinks))[:, None]
+
+
 def same_segment(q_segments_BxT, k_segments_BxS):
   """[B, 1, T, S] bool (broadcasts over heads)."""
   return (q_segments_BxT[:, :, None] == k_segments_BxS[:, None, :])[:, None]
@@ -260,6 +283,15 @@ class MaskSpec:
   def sink_pairs(self, q_index_T, k_index_S, k_document_index_BxS=None):
     """[T, S] (or [B, T, S]) bool: see `sink_pairs`."""
     return sink_pairs(q_index_T, k_index_S, self.window, self.sinks, k_document_index_BxS)
+
+  def visible_in_rows(self, q_index_T, k_index_BxS, starts_BxT):
+    """[B | 1, 1, T, S] bool: see `visible_in_rows` (a decode cache's slots)."""
+    return visible_in_rows(q_index_T, k_index_BxS, starts_BxT, self.window, self.sinks,
+                           self.keep)
+
+  def sink_pairs_in_rows(self, q_index_T, k_index_BxS, starts_BxT):
+    """[B | 1, 1, T, S] bool: see `sink_pairs_in_rows`."""
+    return sink_pairs_in_rows(q_index_T, k_index_BxS, starts_BxT, self.window, self.sinks)
 
   def sink_tiles(self, num_blocks, block, packed=False):
     """[num_blocks, num_blocks] numpy bool: tile (i, j) may hold a sink pair (`sink_pairs`):

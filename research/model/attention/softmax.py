@@ -319,27 +319,21 @@ class SoftmaxAttention(base.Mixer):
     return self.kv_cache.init(batch_size, max_length, key_dim=self.head_dim,
                               value_dim=self.value_head_dim, dtype=self.dtype)
 
-  @classmethod
-  def document_decode_refusal(cls, settings):
-    """Packed documents decode through the cache (kv_cache.KVCache.attend), except with sinks:
-    the rolling cache keeps the first S tokens of the stream, not of each document."""
-    if settings.get("window", 0) and settings.get("sinks", 0):
-      return ("its rolling cache keeps the first sinks tokens of the stream, not of each "
-              "document (set sinks=0)")
-    return None
+  # Packed documents decode through the cache (kv_cache.KVCache.attend: the rolling layout
+  # keeps each row's open document's sinks).
+  document_decode_refusal = classmethod(base.no_refusal)
 
   def decode_inputs(self, x_BxTxD, cache, index, documents=None):
     """(token indices [1, T], positions [B | 1, T], segment ids [B, T] or None, queries, the
     per-token arrays of `project`, sink queries) of T new tokens at `index`: the positions are
-    the token indices without documents and restart at each document with them (then without
-    sinks, which document_decode_refusal refuses)."""
+    the token indices without documents and restart at each document with them, and so does
+    each token's index within its document (the sinks' cache positions)."""
     index_1xT = base.new_positions(index, x_BxTxD.shape[1])
     positions_BxT = index_1xT if documents is None else documents.positions_BxT
     segments_BxT = None if documents is None else documents.segments_BxT
     q, tokens = self.project(x_BxTxD, positions_BxT, cache=cache, index=index)
-    # Without documents a token's index in its document is its index.
-    sinks = (None if documents is not None else
-             self.sink_queries(x_BxTxD, index_1xT, tokens, index_1xT, cache=cache, index=index))
+    sinks = self.sink_queries(x_BxTxD, positions_BxT, tokens, positions_BxT, cache=cache,
+                              index=index)
     return index_1xT, positions_BxT, segments_BxT, q, tokens, sinks
 
   def decode(self, x_BxTxD, cache, index, documents=None):
@@ -360,7 +354,7 @@ class SoftmaxAttention(base.Mixer):
     def prefill_empty(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
       return (self.attend(q, tokens, positions_BxT, segments_BxT, sink_queries=sinks),
-              self.kv_cache.write(tokens, cache, index_1xT[0]))
+              self.kv_cache.write(tokens, cache, index_1xT[0], documents))
 
     if x_BxTxD.shape[1] == 1:
       y, cache = from_cache(q, tokens, cache)

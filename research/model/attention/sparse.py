@@ -257,14 +257,15 @@ class SparseAttention(softmax.SoftmaxAttention):
 
   @classmethod
   def document_decode_refusal(cls, settings):
-    """strided's pattern is one of distances, the same within a document as in the stream;
-    fixed's stride blocks and local_global's global tokens count from each document's start,
-    which the decode cache's mask of token indices does not."""
+    """strided's pattern is one of distances, the same within a document as in the stream, and
+    local_global's is the core's window and sinks, which the rolling cache keeps per document;
+    fixed's stride blocks count from each document's start, which the decode cache's mask of
+    token indices does not."""
     pattern = settings.get("pattern", cls.hyperparameters["pattern"])
-    if pattern == "strided":
+    if pattern != "fixed":
       return None
-    return (f"its {pattern!r} pattern counts from each document's start, its decode cache from "
-            "the stream's (pattern 'strided' decodes documents)")
+    return ("its 'fixed' pattern counts from each document's start, its decode cache from the "
+            "stream's (patterns 'strided' and 'local_global' decode documents)")
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     super().__init__(settings, model_config, position, rngs=rngs, layer_index=layer_index)
