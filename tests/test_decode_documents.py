@@ -63,13 +63,24 @@ def test_decode_documents_positions_and_starts():
   np.testing.assert_array_equal(documents.restart_B, [True, False])
 
 
-@pytest.mark.parametrize("pattern", [dict(pattern="strided", stride=4),
-                                     dict(pattern="local_global", window=5, global_tokens=2,
-                                          stride=1024)])
-def test_the_other_sparse_patterns_decode_documents(pattern):
-  """strided's pattern is one of distances; local_global's global tokens are the rolling
-  cache's sinks, each document's own (the conformance suite runs sparse's fixed pattern)."""
-  model = _model(attention="sparse", position="rope", sparse=dict(summary=128, **pattern))
+# Settings the conformance suite does not run (it builds each mixer at its test settings).
+SETTINGS = {
+    # strided's pattern is one of distances; local_global's global tokens are the rolling
+    # cache's sinks, each document's own (the suite runs sparse's fixed pattern, refused).
+    "sparse-strided": dict(attention="sparse", position="rope",
+                           sparse=dict(pattern="strided", stride=4, summary=128)),
+    "sparse-local_global": dict(attention="sparse", position="rope",
+                                sparse=dict(pattern="local_global", window=5, global_tokens=2,
+                                            stride=1024, summary=128)),
+    # The long convolution, from its history buffer (the suite's one layer is a short one).
+    "baseconv-long": dict(attention="baseconv", position="none",
+                          baseconv=dict(kernel_size=-1, implicit_long_conv=False)),
+}
+
+
+@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+def test_other_settings_decode_documents_as_the_packed_forward(settings):
+  model = _model(**settings)
   segments = jnp.asarray([[0] * 5 + [1] * 11, [0] * 16], jnp.int32)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 61)
   expected = model(tokens, segments_BxL=segments)

@@ -163,19 +163,23 @@ class BaseConv(base.Mixer):
               "filter": self.long_filter(max_length)}
     return {"conv": jnp.zeros((batch_size, self.kernel_size - 1, self.d_model), self.dtype)}
 
-  @classmethod
-  def document_decode_refusal(cls, settings):
-    del settings
-    return "its decode keeps no document boundary in its convolution buffers"
+  # Packed documents: the long convolution reaches back to each token's document start
+  # (hyena.history_causal_conv), the short one restarts (its window and segment ids).
+  document_decode_refusal = classmethod(base.no_refusal)
 
-  def decode(self, x_BxTxD, cache, index):
+  def decode(self, x_BxTxD, cache, index, documents=None):
     if self.long:
       history = hyena.write_history(cache["history"], x_BxTxD, index)
-      conv = (hyena.history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1])
+      conv = (hyena.history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1],
+                                        documents)
               + x_BxTxD.astype(jnp.float32))
       return self._combine(conv, x_BxTxD), {**cache, "history": history}
-    conv, window = ssm.causal_depthwise_conv(x_BxTxD, cache["conv"], self.conv_kernel[...],
-                                             self.conv_bias[...])
+    window, segments_BxT = cache["conv"], None
+    if documents is not None:
+      window = documents.restarted(window, jnp.zeros_like(window))
+      segments_BxT = documents.segments_BxT
+    conv, window = ssm.causal_depthwise_conv(x_BxTxD, window, self.conv_kernel[...],
+                                             self.conv_bias[...], segments_BxT)
     return self._combine(conv.astype(jnp.float32), x_BxTxD), {"conv": window}
 
   def mixing_flops_per_token(self, context_length):

@@ -132,19 +132,39 @@ def write_history(history_BxSxF, v_BxTxF, index):
                                              index, axis=1)
 
 
-def history_causal_conv(history_BxSxF, k_SxF, index, num_tokens):
+def history_causal_conv(history_BxSxF, k_SxF, index, num_tokens, documents=None):
   """The long convolution's outputs [B, T, F] at slots index .. index + T - 1 of the history
   (which holds them already): one token, a dot product with the taps k_{index - s}, s <= index;
-  several, one FFT over the whole buffer (slots past a token do not reach it)."""
+  several, one FFT over the whole buffer (slots past a token do not reach it). With `documents`
+  (masks.DecodeDocuments: packed documents) a token's taps reach back to its document's start
+  only: one token, the same dot product masked; several, the per-document form over the buffer
+  (`segment_causal_conv`), each slot's id the start of its document."""
   slots = history_BxSxF.shape[1]
   if num_tokens == 1:
     lag_S = index - jnp.arange(slots)
     taps_SxF = jnp.where((lag_S >= 0)[:, None],
                          k_SxF[jnp.clip(lag_S, 0, slots - 1)].astype(jnp.float32), 0.0)
-    return jnp.einsum("sf,bsf->bf", taps_SxF, history_BxSxF.astype(jnp.float32),
-                      precision=HIGHEST)[:, None]
-  full = fft_causal_conv(history_BxSxF, k_SxF)
+    history = history_BxSxF.astype(jnp.float32)
+    if documents is not None:  # slots before the token's document start count as 0
+      history = jnp.where((lag_S[None] <= documents.positions_BxT[:, :1])[..., None], history, 0.0)
+    return jnp.einsum("sf,bsf->bf", taps_SxF, history, precision=HIGHEST)[:, None]
+  if documents is None:
+    full = fft_causal_conv(history_BxSxF, k_SxF)
+  else:
+    full = segment_causal_conv(history_BxSxF, k_SxF,
+                               _slot_documents(documents, index, num_tokens, slots))
   return jax.lax.dynamic_slice_in_dim(full, index, num_tokens, axis=1)
+
+
+def _slot_documents(documents, index, num_tokens, slots):
+  """Non-decreasing document ids [B, S] of a history's slots for `segment_causal_conv`: -1
+  before the open document (seen by no new token), its start up to `index`, each new token's
+  document start, and each empty slot after them its own."""
+  slot_S = jnp.arange(slots)
+  ids_BxS = jnp.where(slot_S[None] < documents.open_start_B[:, None], -1,
+                      documents.open_start_B[:, None])
+  ids_BxS = jnp.where(slot_S[None] >= index + num_tokens, slot_S[None], ids_BxS)
+  return jax.lax.dynamic_update_slice_in_dim(ids_BxS, documents.starts_BxT, index, 1)
 
 
 def history_and_filter_bytes(model_config):
@@ -282,15 +302,18 @@ class Hyena(base.Mixer):
             "history": jnp.zeros((batch_size, max_length, self.d_model), self.dtype),
             "filter": self.implicit_filter(max_length)}
 
-  @classmethod
-  def document_decode_refusal(cls, settings):
-    del settings
-    return "its long convolution's history buffer keeps no document boundary"
+  # Packed documents: the short convolution restarts (its window and segment ids), the long one
+  # reaches back to each token's document start (history_causal_conv).
+  document_decode_refusal = classmethod(base.no_refusal)
 
-  def decode(self, x_BxTxD, cache, index):
-    v, x2, window = self._gated_inputs(x_BxTxD, cache["conv"])
+  def decode(self, x_BxTxD, cache, index, documents=None):
+    window, segments_BxT = cache["conv"], None
+    if documents is not None:
+      window = documents.restarted(window, jnp.zeros_like(window))
+      segments_BxT = documents.segments_BxT
+    v, x2, window = self._gated_inputs(x_BxTxD, window, segments_BxT)
     history = write_history(cache["history"], v, index)
-    long = history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1])
+    long = history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1], documents)
     return self._output(long, v, x2), {**cache, "conv": window, "history": history}
 
   def mixing_flops_per_token(self, context_length):
