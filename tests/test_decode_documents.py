@@ -42,6 +42,8 @@ def test_segment_ids_and_the_cache_must_agree():
     model.decode(tokens, model.init_cache(2, 8), jnp.zeros((2, 3), jnp.int32))
   with pytest.raises(ValueError, match="pass the new tokens' segment ids"):
     model.decode(tokens, model.init_cache(2, 8, documents=True))
+  with pytest.raises(ValueError, match="one id per new token"):
+    model.decode(tokens, model.init_cache(2, 8, documents=True), jnp.zeros((2, 2), jnp.int32))
   with pytest.raises(ValueError, match="non-decreasing"):
     model.decode(tokens, model.init_cache(2, 8, documents=True),
                  jnp.asarray([[0, 1, 0], [0, 0, 0]], jnp.int32))

@@ -361,7 +361,7 @@ class LanguageModel(nnx.Module):
     non-decreasing, continuing the cached ones; a changed id starts a document), as `__call__`
     takes a whole row's."""
     index = cache["index"]
-    documents = self._decode_documents(cache, segments_BxT)
+    documents = self._decode_documents(cache, tokens_BxT, segments_BxT)
     positions_BxT = ((index + jnp.arange(tokens_BxT.shape[1]))[None] if documents is None
                      else documents.positions_BxT)
     x = self._embed(tokens_BxT, positions_BxT)
@@ -371,12 +371,12 @@ class LanguageModel(nnx.Module):
       layers.append(layer_cache)
     cache = {**cache, "index": index + tokens_BxT.shape[1], "layers": layers}
     if documents is not None:
-      cache["documents"] = {"segment": segments_BxT[:, -1].astype(jnp.int32),
+      cache["documents"] = {"segment": documents.segments_BxT[:, -1],
                             "start": documents.starts_BxT[:, -1]}
     return self._logits(x), cache
 
   @staticmethod
-  def _decode_documents(cache, segments_BxT):
+  def _decode_documents(cache, tokens_BxT, segments_BxT):
     """masks.DecodeDocuments of the new tokens, or None for a cache without documents; a
     mismatch of the two is refused before any work."""
     if "documents" not in cache:
@@ -388,6 +388,9 @@ class LanguageModel(nnx.Module):
       raise ValueError("this cache decodes packed documents (init_cache(..., documents=True)): "
                        "pass the new tokens' segment ids, segments_BxT")
     masks.check_segments(segments_BxT)
+    if tuple(segments_BxT.shape) != tuple(tokens_BxT.shape):
+      raise ValueError(f"segment ids of shape {tuple(segments_BxT.shape)} for tokens of shape "
+                       f"{tuple(tokens_BxT.shape)}: one id per new token")
     return masks.decode_documents(jnp.asarray(segments_BxT, jnp.int32), cache["index"],
                                   cache["documents"]["segment"], cache["documents"]["start"])
 
