@@ -4,7 +4,8 @@ core's score function (research.model.attention.core: the same ScoreMod and Mask
 Two layouts, chosen by the mask spec:
   full     every token p in slot p; its bytes grow with the context.
   rolling  with a sliding window W and S sinks: S + W slots, token p in slot p (p < S) or
-           S + (p - S) mod W, with its token index kept beside it, so the bytes do not grow.
+           S + (p - S) mod W, with each row's token indices kept beside them, so the bytes do
+           not grow (with documents, a document's token d < S in slot d).
 Keys and values are stored heads before length, with batch and key/value heads in one axis,
 [B K, S, H] (H may differ between keys and values), so that both matmuls of a decode step read
 the cache where it is written (in the [B, S, K, H] layout of the sequence path, XLA copied the
@@ -14,8 +15,8 @@ other per-token array a mixer keeps (FoX's cumulative log forget gates) is [B, S
 Packed documents (masks.DecodeDocuments: a document may start anywhere, in any row) need no
 entry of their own: segment ids never decrease, so a cached key is in a query's document iff its
 token index is at or after that document's start, and its position is its index less that start.
-The rolling layout keeps each row's token indices, [B, slots]: with documents the sink slots
-hold the first S tokens of the row's open document (token d < S of a document in slot d).
+The rolling layout keeps each row's token indices, [B, slots], as with documents the sink slots
+hold the first S tokens of the row's open document.
 
 Attention of T new tokens at indices index..index + T - 1 (`KVCache.attend`): the full layout
 writes them first and attends to the cache up to them (reading before the write, XLA copies the
