@@ -35,9 +35,12 @@ from tests.conftest import tiny_model_config
 BATCH, LENGTH, PREFILL, SECOND_CHUNK = 4, 19, 6, 6
 ONE_DOCUMENT = np.zeros((BATCH, LENGTH), np.int32)  # segment ids of rows of one document each
 CPU_BACKENDS = ("xla", "blockwise")
-# Packed documents of lengths 6, 9, 4 / 3, 16 / 19 / 8, 1, 10: they start inside chunks of 8, span
-# chunk boundaries, and one is a single token.
-SEGMENTS = np.array([[0] * 6 + [1] * 9 + [2] * 4, [0] * 3 + [1] * 16, [0] * 19,
+# Packed documents of lengths 6, 9, 4 / 3, 16 / 11, 8 / 8, 1, 10: they start inside chunks of 8,
+# span chunk boundaries, and one is a single token; decoded (two prefill chunks of 6, then single
+# tokens), one starts at a chunk's first token (6), inside the prefill into an empty cache (3),
+# inside a chunk after cached tokens (8, 9), at the last token of a chunk, going on in the next
+# call (11), and at a single token (15).
+SEGMENTS = np.array([[0] * 6 + [1] * 9 + [2] * 4, [0] * 3 + [1] * 16, [0] * 11 + [1] * 8,
                      [0] * 8 + [1] + [2] * 10], np.int32)
 # A sliding window of 5 keys (with 2 sinks or none): whole tiles of 8 are skipped, and the
 # rolling decode cache of sinks + window slots wraps around.
@@ -138,8 +141,8 @@ def _compiled(name, position, backend, window=None, feed_forward="mlp"):
   the forward pass (compiled on the mesh by the SHARDED variants only); and decoding a whole
   batch from an empty cache, in two prefill chunks then one token at a time (logits, final cache
   index), of rows of one document each, or of packed documents (compiled by the
-  DOCUMENT_DECODED variants only). Two programs per variant on one device (compiling dominates
-  the suite's time)."""
+  DOCUMENT_DECODED variants only). Two programs per variant on one device, three for the
+  DOCUMENT_DECODED ones (compiling dominates the suite's time)."""
   settings = ({} if window is None else
               {attention.REGISTRY.settings_key(name): dict(window=window[0], sinks=window[1])})
   config = tiny_model_config(attention=name, position=position, feed_forward=feed_forward,
@@ -302,10 +305,8 @@ DOCUMENT_DECODED = [v for v in SHARDED + [w for w in VARIANTS if w.values[3]]
 def test_packed_documents_decode_as_the_packed_forward(name, position, backend, window,
                                                        feed_forward):
   """forward(tokens, SEGMENTS) == the same rows decoded in two prefill chunks then one token at
-  a time from a document cache (init_cache(..., documents=True)): documents start at a chunk's
-  first token (row 0 at 6), inside a prefill into an empty cache (row 1 at 3), inside a chunk
-  that follows cached tokens (row 3 at 8), at a single decoded token (row 0 at 15), and one is a
-  single token (row 3 at 8)."""
+  a time from a document cache (init_cache(..., documents=True)), documents starting where
+  SEGMENTS says (a chunk's first or last token, inside one, at a single token)."""
   state, grad_and_logits, _, decode = _compiled(name, position, backend, window, feed_forward)
   tokens = _tokens(3)
   expected = grad_and_logits(state, tokens, SEGMENTS)[1]
@@ -315,11 +316,15 @@ def test_packed_documents_decode_as_the_packed_forward(name, position, backend, 
 
 
 def test_every_mixer_that_decodes_documents_is_decoded_with_them():
-  """Each mixer whose decode takes packed documents (at its test settings) runs the test above
-  (tests/test_decode_documents.py: the others refuse a document cache by name)."""
+  """Each mixer whose decode takes packed documents (at its test settings) runs the test above;
+  each other one says why not (tests/test_decode_documents.py: it refuses a document cache by
+  name)."""
   decoded = {v.values[0] for v in DOCUMENT_DECODED}
-  for name in attention.REGISTRY:
-    assert _decodes_documents(name, None) == (name in decoded), name
+  for name, mixer_cls in attention.REGISTRY.items():
+    if name not in decoded:
+      config = tiny_model_config(attention=name)
+      reason = mixer_cls.document_decode_refusal(attention.REGISTRY.settings(name, config))
+      assert isinstance(reason, str) and reason, name
 
 
 @pytest.mark.parametrize(PARAMETERS, SHARDED)

@@ -44,6 +44,8 @@ def test_segment_ids_and_the_cache_must_agree():
     model.decode(tokens, model.init_cache(2, 8, documents=True))
   with pytest.raises(ValueError, match="one id per new token"):
     model.decode(tokens, model.init_cache(2, 8, documents=True), jnp.zeros((2, 2), jnp.int32))
+  logits, _ = model.decode(tokens, model.init_cache(2, 8, documents=True), [[0, 0, 1], [2, 2, 2]])
+  assert logits.shape == (2, 3, 61)  # ids as a list
   with pytest.raises(ValueError, match="non-decreasing"):
     model.decode(tokens, model.init_cache(2, 8, documents=True),
                  jnp.asarray([[0, 1, 0], [0, 0, 0]], jnp.int32))
@@ -83,7 +85,8 @@ SETTINGS = {
 @pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
 def test_other_settings_decode_documents_as_the_packed_forward(settings):
   model = _model(**settings)
-  segments = jnp.asarray([[0] * 5 + [1] * 11, [0] * 16], jnp.int32)
+  # Row 1's second document starts at the last token of a call and goes on in the next.
+  segments = jnp.asarray([[0] * 5 + [1] * 11, [0] * 8 + [1] * 8], jnp.int32)
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 61)
   expected = model(tokens, segments_BxL=segments)
   cache = model.init_cache(2, 16, documents=True)

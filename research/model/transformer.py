@@ -359,7 +359,8 @@ class LanguageModel(nnx.Module):
     """Logits for T new tokens that follow the cached ones, and the updated cache. A cache made
     with init_cache(..., documents=True) takes their segment ids [B, T] (packed documents:
     non-decreasing, continuing the cached ones; a changed id starts a document), as `__call__`
-    takes a whole row's."""
+    takes a whole row's. Concrete ids are checked within the call; that they do not fall below
+    the cached ones, or within a traced call, is not (a lower id starts a document too)."""
     index = cache["index"]
     documents = self._decode_documents(cache, tokens_BxT, segments_BxT)
     positions_BxT = ((index + jnp.arange(tokens_BxT.shape[1]))[None] if documents is None
@@ -388,10 +389,11 @@ class LanguageModel(nnx.Module):
       raise ValueError("this cache decodes packed documents (init_cache(..., documents=True)): "
                        "pass the new tokens' segment ids, segments_BxT")
     masks.check_segments(segments_BxT)
-    if tuple(segments_BxT.shape) != tuple(tokens_BxT.shape):
-      raise ValueError(f"segment ids of shape {tuple(segments_BxT.shape)} for tokens of shape "
+    segments_BxT = jnp.asarray(segments_BxT, jnp.int32)
+    if segments_BxT.shape != tuple(tokens_BxT.shape):
+      raise ValueError(f"segment ids of shape {segments_BxT.shape} for tokens of shape "
                        f"{tuple(tokens_BxT.shape)}: one id per new token")
-    return masks.decode_documents(jnp.asarray(segments_BxT, jnp.int32), cache["index"],
+    return masks.decode_documents(segments_BxT, cache["index"],
                                   cache["documents"]["segment"], cache["documents"]["start"])
 
   def cache_bytes(self, batch_size, context_length):

@@ -97,26 +97,35 @@ def segment_causal_conv(v_BxLxF, k_LxF, segments_BxL):
   """y_t = sum_{0 <= t-s <= p_t} k_{t-s} v_s: the causal convolution restarted at each document
   start (p_t: t's position in its document). The masked [L, L] Toeplitz form, exact, O(L^2 F)
   per row, scanned over blocks of queries (each rematerialised in the backward pass)."""
-  b, length, f = v_BxLxF.shape
-  block = max(1, min(length, TOEPLITZ_BLOCK_ELEMENTS // length))
-  blocks = -(-length // block)
-  reach = jnp.pad(masks.positions_in_documents(segments_BxL),
-                  [(0, 0), (0, blocks * block - length)], constant_values=-1)  # padding sees none
+  return reaching_conv_rows(v_BxLxF, k_LxF, 0, masks.positions_in_documents(segments_BxL))
+
+
+def reaching_conv_rows(v_BxSxF, k_SxF, first_row, reach_BxT):
+  """Rows first_row .. first_row + T - 1 of the causal convolution of v [B, S, F] whose row t
+  reaches back reach[b, t] inputs at most: y_t = sum_{0 <= t-s <= reach_t} k_{t-s} v_s, [B, T,
+  F] float32. The masked Toeplitz rows, O(T S F), scanned over blocks of rows (each
+  rematerialised in the backward pass)."""
+  b, slots, f = v_BxSxF.shape
+  rows = reach_BxT.shape[1]
+  block = max(1, min(rows, TOEPLITZ_BLOCK_ELEMENTS // slots))
+  blocks = -(-rows // block)
+  reach = jnp.pad(reach_BxT, [(0, 0), (0, blocks * block - rows)],
+                  constant_values=-1)  # padding sees none
   reach = reach.reshape(b, blocks, block).swapaxes(0, 1)
-  v = v_BxLxF.astype(jnp.float32)
-  k = k_LxF[:length].astype(jnp.float32)
+  v = v_BxSxF.astype(jnp.float32)
+  k = k_SxF[:slots].astype(jnp.float32)
 
   @jax.checkpoint
   def query_block(start, reach_BxC):
-    lag_CxL = start + jnp.arange(block)[:, None] - jnp.arange(length)[None]
-    taps_CxLxF = k[jnp.clip(lag_CxL, 0, length - 1)]
-    visible_BxCxL = (lag_CxL[None] >= 0) & (lag_CxL[None] <= reach_BxC[..., None])
-    return jnp.einsum("bcl,clf,blf->bcf", visible_BxCxL.astype(jnp.float32), taps_CxLxF, v,
+    lag_CxS = start + jnp.arange(block)[:, None] - jnp.arange(slots)[None]
+    taps_CxSxF = k[jnp.clip(lag_CxS, 0, slots - 1)]
+    visible_BxCxS = (lag_CxS[None] >= 0) & (lag_CxS[None] <= reach_BxC[..., None])
+    return jnp.einsum("bcs,csf,bsf->bcf", visible_BxCxS.astype(jnp.float32), taps_CxSxF, v,
                       precision=HIGHEST)
 
   _, y = jax.lax.scan(lambda carry, inputs: (carry, query_block(*inputs)), None,
-                      (jnp.arange(blocks) * block, reach))
-  return y.swapaxes(0, 1).reshape(b, blocks * block, f)[:, :length]
+                      (first_row + jnp.arange(blocks) * block, reach))
+  return y.swapaxes(0, 1).reshape(b, blocks * block, f)[:, :rows]
 
 
 def causal_conv(v_BxLxF, k_LxF, segments_BxL=None):
@@ -137,8 +146,8 @@ def history_causal_conv(history_BxSxF, k_SxF, index, num_tokens, documents=None)
   (which holds them already): one token, a dot product with the taps k_{index - s}, s <= index;
   several, one FFT over the whole buffer (slots past a token do not reach it). With `documents`
   (masks.DecodeDocuments: packed documents) a token's taps reach back to its document's start
-  only: one token, the same dot product masked; several, the per-document form over the buffer
-  (`segment_causal_conv`), each slot's id the start of its document."""
+  only: one token, the same dot product masked; several, the T masked Toeplitz rows
+  (`reaching_conv_rows`, O(T S) against the FFT's O(S log S))."""
   slots = history_BxSxF.shape[1]
   if num_tokens == 1:
     lag_S = index - jnp.arange(slots)
@@ -148,23 +157,10 @@ def history_causal_conv(history_BxSxF, k_SxF, index, num_tokens, documents=None)
     if documents is not None:  # slots before the token's document start count as 0
       history = jnp.where((lag_S[None] <= documents.positions_BxT[:, :1])[..., None], history, 0.0)
     return jnp.einsum("sf,bsf->bf", taps_SxF, history, precision=HIGHEST)[:, None]
-  if documents is None:
-    full = fft_causal_conv(history_BxSxF, k_SxF)
-  else:
-    full = segment_causal_conv(history_BxSxF, k_SxF,
-                               _slot_documents(documents, index, num_tokens, slots))
+  if documents is not None:
+    return reaching_conv_rows(history_BxSxF, k_SxF, index, documents.positions_BxT)
+  full = fft_causal_conv(history_BxSxF, k_SxF)
   return jax.lax.dynamic_slice_in_dim(full, index, num_tokens, axis=1)
-
-
-def _slot_documents(documents, index, num_tokens, slots):
-  """Non-decreasing document ids [B, S] of a history's slots for `segment_causal_conv`: -1
-  before the open document (seen by no new token), its start up to `index`, each new token's
-  document start, and each empty slot after them its own."""
-  slot_S = jnp.arange(slots)
-  ids_BxS = jnp.where(slot_S[None] < documents.open_start_B[:, None], -1,
-                      documents.open_start_B[:, None])
-  ids_BxS = jnp.where(slot_S[None] >= index + num_tokens, slot_S[None], ids_BxS)
-  return jax.lax.dynamic_update_slice_in_dim(ids_BxS, documents.starts_BxT, index, 1)
 
 
 def history_and_filter_bytes(model_config):

@@ -190,7 +190,8 @@ class KVCache:
 
   def last(self, cache, name, index):
     """Entry `name` of token index - 1, [B, ...] (zeros before the first token); a rolling
-    cache finds its slot in each row's token indices (the last token is always kept)."""
+    cache finds its slot in each row's token indices (a decode always keeps its last token; a
+    cache whose index was set without writing it, as the decode benchmark's, reads slot 0)."""
     previous = jnp.maximum(index - 1, 0)
     if self.rolling:
       slot_B = jnp.argmax(cache["index"] == previous, axis=1)

@@ -179,7 +179,9 @@ def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F=None, segmen
   """Causal depthwise convolution of x [B, T, ...channels] (tap W - 1 on the token itself) after
   the cached window [B, W - 1, ...] of the previous inputs (which belong to the first token's
   segment); inputs of other segments count as 0. Returns the output and the window for the next
-  call (the last W - 1 inputs)."""
+  call: the last W - 1 inputs, those of other segments than the last token's zeroed, so that
+  the window belongs to the last token's segment (a document that starts among the last W - 1
+  tokens and goes on in the next call sees nothing of the one before it)."""
   full = jnp.concatenate([window_BxWxF.astype(x_BxTxF.dtype), x_BxTxF], axis=1)
   kernel = kernel_WxF.astype(x_BxTxF.dtype)
   t, w = x_BxTxF.shape[1], kernel_WxF.shape[0]
@@ -194,7 +196,11 @@ def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F=None, segmen
   y = sum(tap * jnp.broadcast_to(kernel[i], tap.shape) for i, tap in enumerate(taps))
   if bias_F is not None:
     y = y + jnp.broadcast_to(bias_F.astype(y.dtype), y.shape)
-  return y, full[:, t:]
+  window = full[:, t:]
+  if segments_BxT is not None:
+    last = (segments[:, t:] == segments_BxT[:, -1:]).reshape(*window.shape[:2], *channels)
+    window = window * last.astype(window.dtype)
+  return y, window
 
 
 def dt_bias_init(key, shape, dtype=jnp.float32):
