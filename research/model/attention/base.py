@@ -203,14 +203,22 @@ def no_refusal(cls, settings):
   del cls, settings
 
 
+def decode_positions(index, num_tokens, documents=None):
+  """(token indices [1, T], positions [B | 1, T], segment ids [B, T] or None) of T new tokens
+  at `index`: the positions are the token indices, or with `documents` (masks.DecodeDocuments)
+  their indices within their documents."""
+  index_1xT = new_positions(index, num_tokens)
+  if documents is None:
+    return index_1xT, index_1xT, None
+  return index_1xT, documents.positions_BxT, documents.segments_BxT
+
+
 def decode_inputs(mixer, x_BxTxD, cache, index, documents=None):
   """(cache, positions [B | 1, T], segment ids [B, T] or None) with which a recurrent mixer's
-  chunked form decodes T new tokens at `index`: without `documents`, the cache and the token
-  indices; with them (masks.DecodeDocuments), the cache restarted (init_cache's) in the rows
-  whose first new token starts a document, the positions within documents and the segment ids,
-  at whose later starts the chunked form restarts (its cache belongs to the first token's
-  segment)."""
-  if documents is None:
-    return cache, new_positions(index, x_BxTxD.shape[1]), None
-  return (documents.restarted(cache, mixer.init_cache(x_BxTxD.shape[0], 0)),
-          documents.positions_BxT, documents.segments_BxT)
+  chunked form decodes T new tokens at `index` (`decode_positions`); with `documents` the cache
+  restarted (init_cache's) in the rows whose first new token starts a document: the chunked
+  form restarts at the later starts, its cache belonging to the first token's segment."""
+  _, positions_BxT, segments_BxT = decode_positions(index, x_BxTxD.shape[1], documents)
+  if documents is not None:
+    cache = documents.restarted(cache, mixer.init_cache(x_BxTxD.shape[0], 0))
+  return cache, positions_BxT, segments_BxT

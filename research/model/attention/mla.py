@@ -343,9 +343,7 @@ class MultiHeadLatentAttention(base.Mixer):
     if t > slots:
       raise ValueError(f"{t} new tokens do not fit in a decode cache of {slots} tokens: "
                        "init_cache with max_length >= the prompt and the tokens to generate")
-    index_1xT = base.new_positions(index, t)
-    positions_BxT = index_1xT if documents is None else documents.positions_BxT
-    segments_BxT = None if documents is None else documents.segments_BxT
+    index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, t, documents)
     q = self.queries(x_BxTxD, positions_BxT)
     latents = self.latents(x_BxTxD, positions_BxT).astype(cache["latents"].dtype)
     cache = {"latents": jax.lax.dynamic_update_slice_in_dim(cache["latents"], latents, index, 1)}

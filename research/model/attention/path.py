@@ -315,13 +315,12 @@ class PaTHAttention(base.Mixer):
     own, and the convolution restarts at each."""
     b, t, _ = x_BxTxD.shape
     n, slots = self.num_heads, cache["key"].shape[2]
-    index_1xT = base.new_positions(index, t)
+    index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, t, documents)
     conv = cache["conv"]
     if documents is not None:
       conv = documents.restarted(conv, self._empty_window(b))
     q, k, w, beta, v, c, window = self._project(
-        x_BxTxD, index_1xT if documents is None else documents.positions_BxT, conv,
-        None if documents is None else documents.segments_BxT, continues_cache=True)
+        x_BxTxD, positions_BxT, conv, segments_BxT, continues_cache=True)
     new_scores, q_start = path_logits(q, k, w, beta, self.chunk_size)
     cached_scores = jnp.einsum("bkgth,bksh->bkgts", q_start, cache["key"])
     scores = jnp.concatenate([cached_scores, new_scores], axis=-1).reshape(b, n, t, slots + t)

@@ -328,9 +328,8 @@ class SoftmaxAttention(base.Mixer):
     per-token arrays of `project`, sink queries) of T new tokens at `index`: the positions are
     the token indices without documents and restart at each document with them, and so does
     each token's index within its document (the sinks' cache positions)."""
-    index_1xT = base.new_positions(index, x_BxTxD.shape[1])
-    positions_BxT = index_1xT if documents is None else documents.positions_BxT
-    segments_BxT = None if documents is None else documents.segments_BxT
+    index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, x_BxTxD.shape[1],
+                                                                   documents)
     q, tokens = self.project(x_BxTxD, positions_BxT, cache=cache, index=index)
     sinks = self.sink_queries(x_BxTxD, positions_BxT, tokens, positions_BxT, cache=cache,
                               index=index)

@@ -212,10 +212,9 @@ class StickBreakingAttention(base.Mixer):
     then weighted over every cached key (`cached_stick_breaking`); a prompt into an empty cache
     takes the sequence path (blockwise skips masked tiles). `documents`: packed documents
     (masks.DecodeDocuments)."""
-    index_1xT = base.new_positions(index, x_BxTxD.shape[1])
-    segments_BxT = None if documents is None else documents.segments_BxT
-    q, tokens = self.project(x_BxTxD,
-                             index_1xT if documents is None else documents.positions_BxT)
+    index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, x_BxTxD.shape[1],
+                                                                   documents)
+    q, tokens = self.project(x_BxTxD, positions_BxT)
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
     cache = self.kv_cache.write(tokens, cache, index_1xT[0])
 
