@@ -174,10 +174,7 @@ class BaseConv(base.Mixer):
                                         documents)
               + x_BxTxD.astype(jnp.float32))
       return self._combine(conv, x_BxTxD), {**cache, "history": history}
-    window, segments_BxT = cache["conv"], None
-    if documents is not None:
-      window = documents.restarted(window, jnp.zeros_like(window))
-      segments_BxT = documents.segments_BxT
+    window, segments_BxT = ssm.decode_window(cache["conv"], documents)
     conv, window = ssm.causal_depthwise_conv(x_BxTxD, window, self.conv_kernel[...],
                                              self.conv_bias[...], segments_BxT)
     return self._combine(conv.astype(jnp.float32), x_BxTxD), {"conv": window}

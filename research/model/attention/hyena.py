@@ -303,11 +303,7 @@ class Hyena(base.Mixer):
   document_decode_refusal = classmethod(base.no_refusal)
 
   def decode(self, x_BxTxD, cache, index, documents=None):
-    window, segments_BxT = cache["conv"], None
-    if documents is not None:
-      window = documents.restarted(window, jnp.zeros_like(window))
-      segments_BxT = documents.segments_BxT
-    v, x2, window = self._gated_inputs(x_BxTxD, window, segments_BxT)
+    v, x2, window = self._gated_inputs(x_BxTxD, *ssm.decode_window(cache["conv"], documents))
     history = write_history(cache["history"], v, index)
     long = history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1], documents)
     return self._output(long, v, x2), {**cache, "conv": window, "history": history}

@@ -316,9 +316,7 @@ class PaTHAttention(base.Mixer):
     b, t, _ = x_BxTxD.shape
     n, slots = self.num_heads, cache["key"].shape[2]
     index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, t, documents)
-    conv = cache["conv"]
-    if documents is not None:
-      conv = documents.restarted(conv, self._empty_window(b))
+    conv, _ = ssm.decode_window(cache["conv"], documents)
     q, k, w, beta, v, c, window = self._project(
         x_BxTxD, positions_BxT, conv, segments_BxT, continues_cache=True)
     new_scores, q_start = path_logits(q, k, w, beta, self.chunk_size)

@@ -203,6 +203,15 @@ def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F=None, segmen
   return y, window
 
 
+def decode_window(window, documents=None):
+  """(a short convolution's cached window, the new tokens' segment ids or None) for
+  `causal_depthwise_conv` in a decode call: with `documents` (masks.DecodeDocuments) the window
+  emptied in the rows whose first new token starts a document."""
+  if documents is None:
+    return window, None
+  return documents.restarted(window, jnp.zeros_like(window)), documents.segments_BxT
+
+
 def dt_bias_init(key, shape, dtype=jnp.float32):
   """softplus^-1(dt0), dt0 ~ logU[DT_MIN, DT_MAX] floored at DT_FLOOR (paper, section 3.6)."""
   u = jax.random.uniform(key, shape, jnp.float32)
