@@ -29,12 +29,13 @@ STEPS, WARMUP = 64, 3  # timed and warm-up decode steps per point
 
 
 def variants():
-  """name -> model-config overrides: every registered mixer, gqa at 4 and 2 key/value heads."""
+  """name -> model-config overrides: every registered mixer, the head-count variants with their
+  own key/value heads (attention.kv_head_variants: gqa) at 4 and 2 of the 8 heads."""
   table = {}
+  grouped = attention.kv_head_variants()
   for name in attention.REGISTRY:
-    if name == "gqa":
-      table.update(gqa_kv4={"attention": "gqa", "num_kv_heads": 4},
-                   gqa_kv2={"attention": "gqa", "num_kv_heads": 2})
+    if name in grouped:
+      table.update({f"{name}_kv{k}": {"attention": name, "num_kv_heads": k} for k in (4, 2)})
     else:
       table[name] = {"attention": name}
   return table

@@ -53,11 +53,11 @@ PACKING_REPEATS, QUICK_PACKING_REPEATS = 5, 1  # runs of each packing, alternati
 PACKING_TARGET = 0.9  # documents / concat tokens/s
 
 
-def reference_config(attention, position, seq_len, num_steps, dtype):
+def reference_config(mixer, position, seq_len, num_steps, dtype):
   config = defaults.get_config()
-  config.model.update(dict(attention=attention, position=position, num_layers=2, d_model=128,
+  config.model.update(dict(attention=mixer, position=position, num_layers=2, d_model=128,
                            num_heads=4, compute_dtype=dtype))
-  if attention == "gqa":
+  if mixer in attention.kv_head_variants():  # gqa at 2 of 4 heads (at 4 it is mha)
     config.model.num_kv_heads = 2
   config.train.update(dict(seq_len=seq_len, batch_size=max(TOKENS_PER_BATCH // seq_len, 1),
                            num_steps=num_steps, warmup_steps=1, log_every=num_steps // 2,

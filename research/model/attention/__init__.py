@@ -65,3 +65,11 @@ def position_scheme(model_config, *, rngs, layer_index=0):
                                                      model_config, layer_index)
   positions.validate(model_config, [geometry])
   return positions.build(model_config, geometry, rngs=rngs)
+
+
+def kv_head_variants():
+  """The registered head-count variants whose key/value heads are model.num_kv_heads (gqa; its
+  class reads_num_kv_heads and it is registered variant_of mha): the benchmarks run them at
+  fewer key/value heads than heads, where they differ from the entry they vary."""
+  return [name for name, cls in REGISTRY.items()
+          if cls.reads_num_kv_heads and REGISTRY.variant_of(name)]

@@ -15,7 +15,8 @@ as for any bias; the gradient reaches the gate through the cumulative sum. Slidi
 sinks (model.softmax.window, .sinks) compose; in packed documents c restarts at each document
 start (the mask already hides cross-document pairs; restarting keeps c as small as the
 document alone). The decode cache keeps c_j of every cached key beside k_j and v_j (N float32
-values per token and layer), and new tokens continue c from the last cached token's.
+values per token and layer), and new tokens continue c from the last cached token's, or from a
+document cache restart it at each document they start, as the packed forward pass does.
 
 As the authors' basic FoX ("FoX (LLaMA)" in their code, zhixuan-lin/forgetting-transformer):
 no position scheme (model.position "none", or an embedding scheme; RoPE and bias schemes are
@@ -65,7 +66,8 @@ class ForgettingAttention(softmax.SoftmaxAttention):
     self.forget_gate = nn.dense("BLD,DN->BLN", (d, n), ("embed", "heads"), rngs=rngs,
                                 dtype=self.dtype, bias_shape=(n,), bias_axes=("heads",))
 
-  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
+  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0,
+              documents=None):
     q, tokens = super().project(x_BxTxD, positions_BxT)
     log_forget_BxTxN = jax.nn.log_sigmoid(self.forget_gate(x_BxTxD).astype(jnp.float32))
     c_BxTxN = jnp.cumsum(log_forget_BxTxN, axis=1)
@@ -73,7 +75,13 @@ class ForgettingAttention(softmax.SoftmaxAttention):
       first_BxT = jnp.arange(x_BxTxD.shape[1]) - masks.positions_in_documents(segments_BxT)
       c_BxTxN = c_BxTxN - jnp.take_along_axis(c_BxTxN, first_BxT[:, :, None], axis=1)
     if cache is not None:  # continue from c of the last cached token (0 before the first)
-      c_BxTxN = c_BxTxN + self.kv_cache.last(cache, "log_forget", index)[:, None, :]
+      carried_BxTxN = self.kv_cache.last(cache, "log_forget", index)[:, None, :]
+      if documents is not None:  # or restart at a document's first new token, as above
+        first_BxT = documents.starts_BxT - index  # < 0: the document began in the cache
+        restarted_BxTxN = -jnp.take_along_axis(
+            c_BxTxN, jnp.maximum(first_BxT, 0)[:, :, None], axis=1)
+        carried_BxTxN = jnp.where((first_BxT >= 0)[:, :, None], restarted_BxTxN, carried_BxTxN)
+      c_BxTxN = c_BxTxN + carried_BxTxN
     return q, {**tokens, "log_forget": c_BxTxN}
 
   def score_inputs(self, positions_BxT, arrays):

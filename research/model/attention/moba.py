@@ -73,7 +73,10 @@ cache's complete blocks are recomputed from the cached keys, the gates of the ne
 their past blocks, and the new tokens attend (research.model.attention.kv_cache.cached_attention,
 the same ScoreMod) to their own block and their selected blocks: every cached key is read, as for
 mha (O(context) per token), the unselected ones masked. A prompt into an empty cache runs the
-sequence path of the configured backend.
+sequence path of the configured backend. Packed documents (a document cache): blocks count from
+each document's start, as in the packed forward pass; a token of the document the cache holds
+routes over that document's blocks (their means gathered from its first slot on), a token of a
+document that starts among the new tokens routes among them (its blocks are all there).
 """
 
 import functools
@@ -85,9 +88,9 @@ from flax import nnx
 
 from research.model.attention import base
 from research.model.attention import core
+from research.model.attention import kv_cache
 from research.model.attention import masks
 from research.model.attention import softmax
-from research.model.attention.kv_cache import cached_attention
 from research.model.positions import BIAS, QK
 
 BACKENDS = ("auto", "xla", "blockwise")
@@ -179,6 +182,34 @@ def route(q_BxLxNxH, k_BxLxKxH, layout, chunk, topk):
   c = jnp.arange(count)
   candidate = (c >= layout.first[:, None, :, None]) & (c < layout.before[:, None, :, None])
   return select(gates, candidate, picks)
+
+
+def cache_block_means(x_XxSxH, chunk, batch, start_B=None):
+  """float32 [B, G, K, H]: the means of G = S // C blocks of C cached keys (or values) [B K, S,
+  H], block g of row b holding slots start[b] + g C .. start[b] + (g + 1) C - 1 (start: where
+  the row's open document starts, 0 without documents). A block that would reach past the
+  cache's end repeats its last slot: no query sees such a block, its document being shorter."""
+  rows, slots, h = x_XxSxH.shape
+  count = slots // chunk
+  x = x_XxSxH.reshape(batch, rows // batch, slots, h)
+  if start_B is None:
+    x = x[:, :, :count * chunk]
+  else:
+    index_BxM = jnp.minimum(start_B[:, None] + jnp.arange(count * chunk), slots - 1)
+    x = jnp.take_along_axis(x, index_BxM[:, None, :, None], axis=2)
+  means = x.reshape(batch, rows // batch, count, chunk, h).astype(jnp.float32).mean(axis=3)
+  return means.transpose(0, 2, 1, 3)
+
+
+def routed_in_documents(q_BxTxNxH, k_BxTxKxH, segments_BxT, chunk, topk, picks):
+  """[B, T, N, picks]: `route` of T tokens among themselves with blocks counted from each
+  document's start, as indices among their document's complete blocks (the decode cache's
+  numbering), -1 for none; right for the tokens whose document starts among them."""
+  layout = blocks(q_BxTxNxH.shape[1], chunk, segments_BxT)
+  routed = route(q_BxTxNxH, k_BxTxKxH, layout, chunk, topk)
+  # A document's complete blocks are consecutive among the row's from `first` on.
+  routed = jnp.where(routed >= 0, routed - layout.first[:, :, None, None], -1)
+  return jnp.pad(routed, [(0, 0)] * 3 + [(0, picks - routed.shape[-1])], constant_values=-1)
 
 
 def visible_blocks(q_inputs, k_inputs):
@@ -372,9 +403,11 @@ class MoBA(softmax.SoftmaxAttention):
     super().__init__(settings, model_config, position, rngs=rngs, layer_index=layer_index)
     self.chunk_size, self.topk = int(settings.chunk_size), int(settings.topk)
 
-  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
-    """Queries and keys (after the qk scheme), values, and each token's blocks and routing."""
-    del cache, index
+  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0,
+              documents=None):
+    """Queries and keys (after the qk scheme), values, and each token's blocks and routing (of a
+    sequence: `decode` routes the new tokens itself)."""
+    del cache, index, documents
     q, tokens = super().project(x_BxTxD, positions_BxT)
     layout = blocks(x_BxTxD.shape[1], self.chunk_size, segments_BxT)
     routed = route(q, tokens["key"], layout, self.chunk_size, self.topk)
@@ -425,56 +458,57 @@ class MoBA(softmax.SoftmaxAttention):
                             positions_BxL, scale=self.scale(), bias_fn=bias_fn,
                             chunk=self.chunk_size, tile=self.block_size)
 
-  def _route_from_cache(self, q_BxTxNxH, cache, positions_1xT):
-    """[B, T, N, P]: the new tokens' selected blocks, from the means of the cache's complete
-    blocks (a block index is slot // C)."""
-    b, _, _, h = q_BxTxNxH.shape
+  def _route_from_cache(self, q_BxTxNxH, cache, positions_BxT, open_start_B=None):
+    """[B, T, N, P]: the new tokens' selected blocks among the complete blocks of their
+    document in the cache, from their means (`cache_block_means`: block g holds the document's
+    tokens g C .. (g + 1) C - 1); positions_BxT are the tokens' indices within it."""
     count = cache["key"].shape[1] // self.chunk_size
     picks = min(self.topk - 1, count)
     if picks <= 0:
       return jnp.zeros(q_BxTxNxH.shape[:3] + (0,), jnp.int32)
-    keys = cache["key"][:, :count * self.chunk_size].reshape(b, self.num_kv_heads, count,
-                                                             self.chunk_size, h)
-    means_BxGxKxH = keys.astype(jnp.float32).mean(axis=3).transpose(0, 2, 1, 3)
-    gates = gate_scores(q_BxTxNxH, means_BxGxKxH)
-    candidate = jnp.arange(count) < (positions_1xT // self.chunk_size)[:, None, :, None]
+    means = cache_block_means(cache["key"], self.chunk_size, q_BxTxNxH.shape[0], open_start_B)
+    gates = gate_scores(q_BxTxNxH, means)
+    candidate = jnp.arange(count) < (positions_BxT // self.chunk_size)[:, None, :, None]
     return select(gates, candidate, picks)
 
-  @classmethod
-  def document_decode_refusal(cls, settings):
-    del settings
-    return ("its blocks restart at each document in a sequence, while its decode routes over "
-            "the cache's fixed blocks of token indices")
-
-  def decode(self, x_BxTxD, cache, index):
+  def decode(self, x_BxTxD, cache, index, documents=None):
     """T new tokens at indices index..index + T - 1: written to the cache, then attending to
-    their own and selected blocks there; a prompt into an empty cache runs the sequence path."""
+    their own and selected blocks there; a prompt into an empty cache runs the sequence path.
+    With `documents` (masks.DecodeDocuments) blocks count from each document's start: a token
+    of the cache's open document routes over that document's blocks in the cache, one of a
+    document that starts among the new tokens as the sequence path routes the new tokens."""
     t = x_BxTxD.shape[1]
-    positions_1xT = base.new_positions(index, t)
-    q, tokens = softmax.SoftmaxAttention.project(self, x_BxTxD, positions_1xT)
+    index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, t, documents)
+    q, tokens = softmax.SoftmaxAttention.project(self, x_BxTxD, positions_BxT)
     score_mod, params = self.score_mod()
 
     def from_cache(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-      cache = self.kv_cache.write(tokens, cache, positions_1xT[0])
-      slots_1xS = jnp.arange(cache["key"].shape[1])[None]
-      blocks_1xS = slots_1xS // self.chunk_size
-      q_inputs = (positions_1xT, positions_1xT // self.chunk_size, None,
-                  self._route_from_cache(q, cache, positions_1xT))
-      causal = (slots_1xS <= positions_1xT[0][:, None])[None, None]
-      y = cached_attention(q, [(cache["key"], cache["value"], q_inputs,
-                                (slots_1xS, blocks_1xS, blocks_1xS, None), causal)],
-                           self.scale(), score_mod, params)
+      cache = self.kv_cache.write(tokens, cache, index_1xT[0])
+      slots = cache["key"].shape[1]
+      mask, k_positions = kv_cache.full_cache_keys(self.mask, index_1xT, slots, documents)
+      routed = self._route_from_cache(
+          q, cache, positions_BxT, None if documents is None else documents.open_start_B)
+      if documents is not None:
+        started = documents.starts_BxT >= index  # the token's document starts in this call
+        routed = jnp.where(started[:, :, None, None],
+                           routed_in_documents(q, tokens["key"], segments_BxT, self.chunk_size,
+                                               self.topk, routed.shape[-1]), routed)
+      k_blocks = k_positions // self.chunk_size
+      q_inputs = (positions_BxT, positions_BxT // self.chunk_size, None, routed)
+      y = kv_cache.cached_attention(
+          q, [(cache["key"], cache["value"], q_inputs, (k_positions, k_blocks, k_blocks, None),
+               mask)], self.scale(), score_mod, params)
       # Past the cache's end the write would clamp: NaN rather than wrong outputs.
-      return jnp.where(index + t <= slots_1xS.shape[1], y, jnp.nan), cache
+      return jnp.where(index + t <= slots, y, jnp.nan), cache
 
     def prefill_empty(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-      layout = blocks(t, self.chunk_size)
+      layout = blocks(t, self.chunk_size, segments_BxT)
       routed = route(q, tokens["key"], layout, self.chunk_size, self.topk)
       sequence = {**tokens, "group": layout.group, "complete": layout.complete, "routed": routed}
-      return (self.attend(q, sequence, positions_1xT),
-              self.kv_cache.write(tokens, cache, positions_1xT[0]))
+      return (self.attend(q, sequence, positions_BxT, segments_BxT),
+              self.kv_cache.write(tokens, cache, index_1xT[0]))
 
     if t == 1:
       y, cache = from_cache(q, tokens, cache)

@@ -69,7 +69,8 @@ Decoding: the full KV cache (research.model.attention.kv_cache, keys after RoPE)
 are recomputed from the cached keys and values at every step (nothing extra is cached), the new
 tokens' compressed attention, importance and picks taken over them, and the selected and window
 branches attend to the cache (kv_cache.cached_attention). A prompt into an empty cache runs the
-sequence path.
+sequence path. Packed documents (a document cache): blocks count from each document's start, as
+in the packed forward pass (`_attend_cache`).
 """
 
 import jax
@@ -209,11 +210,11 @@ class NativeSparseAttention(base.Mixer):
       y = y + gates_BxTxNx3[..., 2, None] * o_swa
     return self.out(y.astype(self.dtype))
 
-  def attend(self, q, tokens, gates, positions_BxL, segments_BxL=None):
-    """The three branches of a sequence attending to itself, gated: [B, L, D]."""
+  def _compressed(self, q, tokens, layout, segments_BxL=None):
+    """(o^cmp float32 [B, L, N, H], the selected blocks [B, L, N, P] as indices among the row's
+    complete blocks, -1 for none) of a sequence in its `layout` (moba.blocks)."""
     k, v = tokens["key"], tokens["value"]
-    length, scale = q.shape[1], self.scale()
-    layout = moba.blocks(length, self.block, segments_BxL)
+    length = q.shape[1]
     within = (jnp.arange(length)[None] if segments_BxL is None
               else masks.positions_in_documents(segments_BxL))
     ends_own = (within % self.block == self.block - 1).astype(jnp.int32)  # own block complete
@@ -224,9 +225,16 @@ class NativeSparseAttention(base.Mixer):
       means = [moba.block_means(x, layout.starts, self.block) for x in (k, v)]
     else:  # shorter than a block: no compressed key
       means = [jnp.zeros((x.shape[0], 0) + x.shape[2:], jnp.float32) for x in (k, v)]
-    o_cmp, probs = compressed_attention(q, *means, visible, scale)
+    o_cmp, probs = compressed_attention(q, *means, visible, self.scale())
     picks = min(self.num_selected - 1, layout.starts.shape[1])
-    routed = select_blocks(probs, (c >= first) & (c < before), picks, self.num_kv_heads)
+    return o_cmp, select_blocks(probs, (c >= first) & (c < before), picks, self.num_kv_heads)
+
+  def attend(self, q, tokens, gates, positions_BxL, segments_BxL=None):
+    """The three branches of a sequence attending to itself, gated: [B, L, D]."""
+    k, v = tokens["key"], tokens["value"]
+    length, scale = q.shape[1], self.scale()
+    layout = moba.blocks(length, self.block, segments_BxL)
+    o_cmp, routed = self._compressed(q, tokens, layout, segments_BxL)
     if self.resolved_backend(length) == "xla":
       modify = lambda logits, p, q_in, k_in: jnp.where(  # noqa: E731
           moba.visible_blocks(q_in, k_in), logits, moba.MASKED)
@@ -252,63 +260,72 @@ class NativeSparseAttention(base.Mixer):
     return self.kv_cache.init(batch_size, max_length, key_dim=self.head_dim,
                               value_dim=self.head_dim, dtype=self.dtype)
 
-  def _attend_cache(self, q_BxTxNxH, gates, cache, positions_1xT):
-    """The new tokens' three branches against the cache (their own keys written): [B, T, D]."""
-    b, t, n, h = q_BxTxNxH.shape
+  def _attend_cache(self, q_BxTxNxH, tokens, gates, cache, index, documents=None):
+    """The new tokens' three branches against the cache (their own keys written): [B, T, D].
+    With `documents` blocks count from each document's start: a token of the cache's open
+    document takes that document's blocks in the cache (their means gathered from its first
+    slot on), one of a document that starts among the new tokens the sequence path's over them
+    (its blocks are all there)."""
+    b, t = q_BxTxNxH.shape[:2]
     kv, scale, block = self.num_kv_heads, self.scale(), self.block
     slots = cache["key"].shape[1]
     count = slots // block
-
-    def means(x):  # [B K, S, H] -> float32 [B, count, K, H]
-      x = x[:, :count * block].reshape(b, kv, count, block, h).astype(jnp.float32)
-      return x.mean(axis=3).transpose(0, 2, 1, 3)
-
-    p_1xTx1 = positions_1xT[..., None]
+    index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, t, documents)
+    start_B = None if documents is None else documents.open_start_B
+    means = [moba.cache_block_means(cache[name], block, b, start_B) for name in ("key", "value")]
+    p_BxTx1 = positions_BxT[..., None]  # indices within the document
     c = jnp.arange(count)
-    visible = (c + 1) * block - 1 <= p_1xTx1
-    o_cmp, probs = compressed_attention(q_BxTxNxH, means(cache["key"]), means(cache["value"]),
-                                        visible, scale)
-    routed = select_blocks(probs, c < p_1xTx1 // block, min(self.num_selected - 1, count), kv)
-    slots_1xS = jnp.arange(slots)[None]
-    causal = slots_1xS <= positions_1xT[0][:, None]
+    o_cmp, probs = compressed_attention(q_BxTxNxH, *means, (c + 1) * block - 1 <= p_BxTx1, scale)
+    picks = min(self.num_selected - 1, count)
+    routed = select_blocks(probs, c < p_BxTx1 // block, picks, kv)
+    if documents is not None:
+      layout = moba.blocks(t, block, segments_BxT)
+      o_in_call, routed_in_call = self._compressed(q_BxTxNxH, tokens, layout, segments_BxT)
+      routed_in_call = jnp.where(routed_in_call >= 0,
+                                 routed_in_call - layout.first[:, :, None, None], -1)
+      routed_in_call = jnp.pad(routed_in_call,
+                               [(0, 0)] * 3 + [(0, picks - routed_in_call.shape[-1])],
+                               constant_values=-1)
+      started = (documents.starts_BxT >= index)[:, :, None, None]  # starts in this call
+      o_cmp = jnp.where(started, o_in_call, o_cmp)
+      routed = jnp.where(started, routed_in_call, routed)
+    mask, k_positions = kv_cache.full_cache_keys(core.CAUSAL, index_1xT, slots, documents)
+    k_blocks = k_positions // block
     modify = lambda logits, p, q_in, k_in: jnp.where(  # noqa: E731
         moba.visible_blocks(q_in, k_in), logits, moba.MASKED)
-    q_inputs = (positions_1xT, positions_1xT // block, None, routed)
-    k_inputs = (slots_1xS, slots_1xS // block, slots_1xS // block, None)
+    q_inputs = (positions_BxT, positions_BxT // block, None, routed)
     o_slc = kv_cache.cached_attention(
-        q_BxTxNxH, [(cache["key"], cache["value"], q_inputs, k_inputs, causal[None, None])],
-        scale, core.ScoreMod(modify=modify))
+        q_BxTxNxH, [(cache["key"], cache["value"], q_inputs, (k_positions, k_blocks, k_blocks, None),
+                     mask)], scale, core.ScoreMod(modify=modify))
     o_swa = None
     if self.window:
-      near = causal & (positions_1xT[0][:, None] - slots_1xS < self.window)
+      near, _ = kv_cache.full_cache_keys(masks.MaskSpec(window=self.window), index_1xT, slots,
+                                         documents)
       o_swa = kv_cache.cached_attention(
-          q_BxTxNxH, [(cache["key"], cache["value"], None, None, near[None, None])], scale)
+          q_BxTxNxH, [(cache["key"], cache["value"], None, None, near)], scale)
       o_swa = o_swa.astype(jnp.float32)
     return self._combine(gates, o_cmp, o_slc.astype(jnp.float32), o_swa)
 
-  @classmethod
-  def document_decode_refusal(cls, settings):
-    del settings
-    return ("its compressed and selected blocks restart at each document in a sequence, while "
-            "its decode cuts the cache into fixed blocks of token indices")
+  document_decode_refusal = classmethod(base.no_refusal)  # blocks from each document's start
 
-  def decode(self, x_BxTxD, cache, index):
+  def decode(self, x_BxTxD, cache, index, documents=None):
     """T new tokens at indices index..index + T - 1: written to the cache, then their three
-    branches over it; a prompt into an empty cache runs the sequence path."""
+    branches over it; a prompt into an empty cache runs the sequence path. `documents`
+    (masks.DecodeDocuments): packed documents, as `_attend_cache` says."""
     t = x_BxTxD.shape[1]
-    positions_1xT = base.new_positions(index, t)
-    q, tokens, gates = self.project(x_BxTxD, positions_1xT)
+    index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, t, documents)
+    q, tokens, gates = self.project(x_BxTxD, positions_BxT)
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
 
     def from_cache(q, tokens, gates, cache):
-      cache = self.kv_cache.write(tokens, cache, positions_1xT[0])
-      y = self._attend_cache(q, gates, cache, positions_1xT)
+      cache = self.kv_cache.write(tokens, cache, index_1xT[0])
+      y = self._attend_cache(q, tokens, gates, cache, index, documents)
       # Past the cache's end the write would clamp: NaN rather than wrong outputs.
       return jnp.where(index + t <= cache["key"].shape[1], y, jnp.nan), cache
 
     def prefill_empty(q, tokens, gates, cache):
-      return (self.attend(q, tokens, gates, positions_1xT),
-              self.kv_cache.write(tokens, cache, positions_1xT[0]))
+      return (self.attend(q, tokens, gates, positions_BxT, segments_BxT),
+              self.kv_cache.write(tokens, cache, index_1xT[0]))
 
     if t == 1:
       return from_cache(q, tokens, gates, cache)

@@ -200,11 +200,13 @@ class SoftmaxAttention(base.Mixer):
     del segments_BxL
     return self.mask
 
-  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
+  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0,
+              documents=None):
     """(queries [B, T, N, H], the per-token arrays that the decode cache keeps: {"key": [B, T,
     K, H], "value": [B, T, K, V], ...}) of T tokens at `index` onwards; a subclass may add
-    arrays that continue from the cached ones."""
-    del segments_BxT, cache, index
+    arrays that continue from the cached ones (restarting where `documents`,
+    masks.DecodeDocuments, starts one)."""
+    del segments_BxT, cache, index, documents
     q = self.position.queries(self.query(x_BxTxD), positions_BxT)
     k = self.position.keys(self.key(x_BxTxD), positions_BxT)
     return q, {"key": k, "value": self.value(x_BxTxD)}
@@ -323,6 +325,12 @@ class SoftmaxAttention(base.Mixer):
   # keeps each row's open document's sinks).
   document_decode_refusal = classmethod(base.no_refusal)
 
+  def decode_cache(self, documents=None):
+    """(the KVCache through which new tokens attend to the cache, the score_inputs function it
+    takes) when decoding with `documents` or without: `kv_cache` and `score_inputs`."""
+    del documents
+    return self.kv_cache, self.score_inputs
+
   def decode_inputs(self, x_BxTxD, cache, index, documents=None):
     """(token indices [1, T], positions [B | 1, T], segment ids [B, T] or None, queries, the
     per-token arrays of `project`, sink queries) of T new tokens at `index`: the positions are
@@ -330,7 +338,8 @@ class SoftmaxAttention(base.Mixer):
     each token's index within its document (the sinks' cache positions)."""
     index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, x_BxTxD.shape[1],
                                                                    documents)
-    q, tokens = self.project(x_BxTxD, positions_BxT, cache=cache, index=index)
+    q, tokens = self.project(x_BxTxD, positions_BxT, cache=cache, index=index,
+                             documents=documents)
     sinks = self.sink_queries(x_BxTxD, positions_BxT, tokens, positions_BxT, cache=cache,
                               index=index)
     return index_1xT, positions_BxT, segments_BxT, q, tokens, sinks
@@ -345,10 +354,10 @@ class SoftmaxAttention(base.Mixer):
     score_mod, params = self.score_mod()
 
     def from_cache(q, tokens, cache):
-      return self.kv_cache.attend(q, tokens, cache, index_1xT, scale=self.scale(),
-                                  score_mod=score_mod, score_params=params,
-                                  score_inputs=self.score_inputs, sink_queries=sinks,
-                                  documents=documents)
+      layout, score_inputs = self.decode_cache(documents)
+      return layout.attend(q, tokens, cache, index_1xT, scale=self.scale(), score_mod=score_mod,
+                           score_params=params, score_inputs=score_inputs, sink_queries=sinks,
+                           documents=documents)
 
     def prefill_empty(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}

@@ -56,7 +56,11 @@ documents). A core keep of indices within documents would restore the skip there
 
 Decode: the full KV cache with the pattern applied by token index (strided, fixed; the keys a
 strided or fixed query sees reach back to the first token), or the core's rolling cache of
-G + W slots (local_global), so its bytes stop growing at G + W tokens.
+G + W slots (local_global), so its bytes stop growing at G + W tokens. A packed stream decodes
+as the packed row does: strided and local_global through the mask spec (the full cache keeps
+each query to its document, the rolling one keeps each document's first G tokens), fixed as
+the causal cache plus the pattern's bias of the indices within the document, which are the
+decode positions of a document cache (`decode_cache`).
 
 Checked against the authors' code, openai/sparse_attention@c53f3bd, attention.py:
   * get_attn_mask: "local" keeps i - j < l (band of l keys, the query's own included), "strided"
@@ -98,6 +102,7 @@ import numpy as np
 from research.model.attention import core
 from research.model.attention import masks
 from research.model.attention import softmax
+from research.model.attention.kv_cache import KVCache
 
 PATTERNS = ("strided", "fixed", "local_global")
 # The pattern sizes each pattern reads (all read pattern and block_size); the others must stay at
@@ -255,21 +260,11 @@ class SparseAttention(softmax.SoftmaxAttention):
   def mask_spec(cls, settings):
     return pattern_of(settings).mask()
 
-  @classmethod
-  def document_decode_refusal(cls, settings):
-    """strided's pattern is one of distances, the same within a document as in the stream, and
-    local_global's is the core's window and sinks, which the rolling cache keeps per document;
-    fixed's stride blocks count from each document's start, which the decode cache's mask of
-    token indices does not."""
-    pattern = settings.get("pattern", cls.hyperparameters["pattern"])
-    if pattern != "fixed":
-      return None
-    return ("its 'fixed' pattern counts from each document's start, its decode cache from the "
-            "stream's (patterns 'strided' and 'local_global' decode documents)")
-
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     super().__init__(settings, model_config, position, rngs=rngs, layer_index=layer_index)
     self.pattern = pattern_of(settings)
+    # A packed stream under a pattern by index within the document: causal, the pattern a bias.
+    self.document_cache = KVCache(self.num_kv_heads, core.CAUSAL)
 
   def sequence_mask(self, segments_BxL=None):
     """The mask spec of a sequence: the pattern's, or in a packed row under a pattern by index
@@ -278,11 +273,32 @@ class SparseAttention(softmax.SoftmaxAttention):
       return core.CAUSAL
     return self.mask
 
-  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0):
-    q, tokens = super().project(x_BxTxD, positions_BxT, segments_BxT, cache, index)
-    if segments_BxT is not None and self.pattern.by_document_index:
-      tokens = {**tokens, "document_index": masks.positions_in_documents(segments_BxT)}
-    return q, tokens
+  def _by_document(self, tokens, segments_BxL):
+    """The tokens' arrays, with each one's index within its document where a packed row takes
+    the pattern as a bias (fixed)."""
+    if segments_BxL is None or not self.pattern.by_document_index:
+      return tokens
+    return {**tokens, "document_index": masks.positions_in_documents(segments_BxL)}
+
+  def project(self, x_BxTxD, positions_BxT, segments_BxT=None, cache=None, index=0,
+              documents=None):
+    q, tokens = super().project(x_BxTxD, positions_BxT, segments_BxT, cache, index, documents)
+    return q, self._by_document(tokens, segments_BxT)
+
+  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, sink_queries=None):
+    # A decode's prompt into an empty document cache comes here with tokens projected without
+    # segments (the cache keeps no document index).
+    if "document_index" not in tokens:
+      tokens = self._by_document(tokens, segments_BxL)
+    return super().attend(q_BxLxNxH, tokens, positions_BxL, segments_BxL, sink_queries)
+
+  def decode_cache(self, documents=None):
+    """In a packed stream the fixed pattern counts from each document's start: the causal cache,
+    and the pattern's bias of the decode positions, which are the indices within documents (the
+    queries' and, kv_cache.full_cache_keys, the cached keys')."""
+    if documents is None or not self.pattern.by_document_index:
+      return super().decode_cache(documents)
+    return self.document_cache, lambda positions, arrays: DocumentInputs(positions, positions)
 
   def score_inputs(self, positions_BxT, arrays):
     if "document_index" not in arrays:
