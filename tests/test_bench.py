@@ -18,6 +18,7 @@ from flax import nnx
 from experiments import bench
 from research.model import transformer as model_lib
 from research.bench import decode
+from research.bench import document_decode
 from research.bench import mixers
 from research.bench import peers
 from research.bench import recurrent
@@ -360,3 +361,14 @@ def test_peers_suite_agrees_with_pytorch_and_times_each_case(tmp_path, monkeypat
   assert split == {("train", "jit over 2 devices"), ("attention", "blockwise over 2 devices")}
   assert {("train", "jit over 2 devices"), ("attention", "blockwise over 2 devices")} <= {
       (row["case"], row["implementation"]) for row in rows if row.get("time_ms")}
+
+
+def test_document_decode_bench_times_both_caches_of_each_mixer():
+  rows = document_decode.main(["--context", "16", "--repeats", "1", "--only", "mha,moba"])
+  assert [row["variant"] for row in rows] == ["mha", "moba"]
+  for row in rows:
+    assert row["plain_ms"] > 0 and row["documents_ms"] > 0
+    assert row["ratio"] == row["documents_ms"] / row["plain_ms"]
+  assert document_decode.table(rows).count("\n| ") == 2
+  with pytest.raises(SystemExit):
+    document_decode.main(["--only", "no_such_mixer"])

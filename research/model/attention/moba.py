@@ -188,7 +188,9 @@ def cache_block_means(x_XxSxH, chunk, batch, start_B=None):
   """float32 [B, G, K, H]: the means of G = S // C blocks of C cached keys (or values) [B K, S,
   H], block g of row b holding slots start[b] + g C .. start[b] + (g + 1) C - 1 (start: where
   the row's open document starts, 0 without documents). A block that would reach past the
-  cache's end repeats its last slot: no query sees such a block, its document being shorter."""
+  cache's end repeats its last slot: no query sees such a block, its document being shorter.
+  With a start the cache is gathered (a copy of every slot at each step, the document decode's
+  cost; on XLA:CPU masked sums over fixed blocks, or a dot over C, were slower in the step)."""
   rows, slots, h = x_XxSxH.shape
   count = slots // chunk
   x = x_XxSxH.reshape(batch, rows // batch, slots, h)
@@ -201,15 +203,21 @@ def cache_block_means(x_XxSxH, chunk, batch, start_B=None):
   return means.transpose(0, 2, 1, 3)
 
 
+def in_document_blocks(routed_BxTxNxP, layout, picks):
+  """[B, T, N, picks]: selected blocks given as indices among the row's complete blocks (`route`
+  over T tokens in `layout`) as indices among their document's complete blocks, which a
+  decode cache counts from the document's start; -1 for none, padded to `picks`."""
+  # A document's complete blocks are consecutive among the row's from `first` on.
+  routed = jnp.where(routed_BxTxNxP >= 0, routed_BxTxNxP - layout.first[:, :, None, None], -1)
+  return jnp.pad(routed, [(0, 0)] * 3 + [(0, picks - routed.shape[-1])], constant_values=-1)
+
+
 def routed_in_documents(q_BxTxNxH, k_BxTxKxH, segments_BxT, chunk, topk, picks):
   """[B, T, N, picks]: `route` of T tokens among themselves with blocks counted from each
-  document's start, as indices among their document's complete blocks (the decode cache's
-  numbering), -1 for none; right for the tokens whose document starts among them."""
+  document's start (`in_document_blocks`); right for the tokens whose document starts among
+  them."""
   layout = blocks(q_BxTxNxH.shape[1], chunk, segments_BxT)
-  routed = route(q_BxTxNxH, k_BxTxKxH, layout, chunk, topk)
-  # A document's complete blocks are consecutive among the row's from `first` on.
-  routed = jnp.where(routed >= 0, routed - layout.first[:, :, None, None], -1)
-  return jnp.pad(routed, [(0, 0)] * 3 + [(0, picks - routed.shape[-1])], constant_values=-1)
+  return in_document_blocks(route(q_BxTxNxH, k_BxTxKxH, layout, chunk, topk), layout, picks)
 
 
 def visible_blocks(q_inputs, k_inputs):

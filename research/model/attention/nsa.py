@@ -281,11 +281,7 @@ class NativeSparseAttention(base.Mixer):
     if documents is not None:
       layout = moba.blocks(t, block, segments_BxT)
       o_in_call, routed_in_call = self._compressed(q_BxTxNxH, tokens, layout, segments_BxT)
-      routed_in_call = jnp.where(routed_in_call >= 0,
-                                 routed_in_call - layout.first[:, :, None, None], -1)
-      routed_in_call = jnp.pad(routed_in_call,
-                               [(0, 0)] * 3 + [(0, picks - routed_in_call.shape[-1])],
-                               constant_values=-1)
+      routed_in_call = moba.in_document_blocks(routed_in_call, layout, picks)
       started = (documents.starts_BxT >= index)[:, :, None, None]  # starts in this call
       o_cmp = jnp.where(started, o_in_call, o_cmp)
       routed = jnp.where(started, routed_in_call, routed)
