@@ -3,7 +3,7 @@ plain cache, per mixer.
 
   python -m research.bench.document_decode [--context 4096] [--repeats 15] [--only moba,nsa]
 
-Every registered mixer (gqa at 2 key/value heads) at the decode suite's model
+Every registered mixer (gqa at 4 and 2 key/value heads) at the decode suite's model
 (research.bench.decode.model_config: 2 layers, d_model 256, 8 heads, no positions, float32),
 batch 2, one new token after `context` cached ones. Plain: model.init_cache(2, context + 1).
 Documents: init_cache(..., documents=True), row 0 in a document that started at token 0 and
