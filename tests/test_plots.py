@@ -84,3 +84,34 @@ def test_the_extrapolation_band_spans_the_bootstrap_interval():
   want = [row["perplexity"] for row in rows]
   assert min(ys) == pytest.approx(min(want) - 1.0) and max(ys) == pytest.approx(max(want) + 2.0)
   plots.plt.close(figure)
+
+
+def test_the_width_figure_keeps_each_mixer_one_line_and_lists_every_panel_s_lines():
+  """Mixers that read a setting the others do not (model.num_kv_heads: nsa) stay lines beside
+  the others, not a panel of their own; the one legend lists every panel's lines, and once the
+  colours repeat (24 mixers) the markers tell them apart."""
+  mixers = [f"m{i:02d}" for i in range(24)]
+  rows = []
+  for mixer in mixers:
+    for width in (32, 64):
+      for pairs in (4, 8):
+        row = {"run": f"{mixer}-{width}-{pairs}", "model.attention": mixer,
+               "model.position": "none", "model.d_model": width, "data.num_kv_pairs": pairs,
+               "eval_mode": "nonoverlapping", "eval_length": 64, "rope_scaling": "none",
+               "accuracy": 0.5}
+        if mixer == "m00":
+          row["model.num_kv_heads"] = 1
+        rows.append(row)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no collapsed layout
+    figure = plots.width(rows, "accuracy")
+    figure.canvas.draw()
+  assert [ax.get_title() for ax in figure.axes] == ["num_kv_pairs=4", "num_kv_pairs=8"]
+  (legend,) = figure.legends
+  labels = [text.get_text() for text in legend.get_texts()]
+  assert sorted(labels) == sorted(["m00 / none / num_kv_heads=1"]
+                                  + [f"{m} / none" for m in mixers[1:]])
+  styles = {(bar.lines[0].get_color(), bar.lines[0].get_marker())
+            for bar in figure.axes[0].containers}
+  assert len(styles) == len(mixers)
+  plots.plt.close(figure)

@@ -43,12 +43,23 @@ from matplotlib import ticker  # noqa: E402
 from research.results import tables as report  # noqa: E402
 
 LINE_STYLES = ("--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)))  # of the RoPE scalings; unscaled: solid
+MARKERS = ("o", "s", "^", "D")  # markers of the lines, once the colors repeat
+
+
+def _color_cycle():
+  return plt.rcParams["axes.prop_cycle"].by_key()["color"] + list(plt.cm.Dark2.colors)
 
 
 def _colors(variants):
   """One color per variant, the same in every panel."""
-  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"] + list(plt.cm.Dark2.colors)
+  cycle = _color_cycle()
   return {variant: cycle[i % len(cycle)] for i, variant in enumerate(sorted(variants))}
+
+
+def _markers(variants):
+  """One marker per variant, changing each time the colors repeat (more variants than colors)."""
+  count = len(_color_cycle())
+  return {variant: MARKERS[i // count % len(MARKERS)] for i, variant in enumerate(sorted(variants))}
 
 
 def _line_styles(scalings):
@@ -62,10 +73,22 @@ def _plain_log_ticks(axis):
   axis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
-def _legend_below(fig, ax):
-  handles, labels = ax.get_legend_handles_labels()
-  fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)), fontsize=8,
-             frameon=False)
+def _legend_below(fig, axes):
+  """One legend below the panels for every line of any of `axes` (an axis or a list), in as many
+  columns as its labels fit across the figure; the figure grows by the legend's rows."""
+  entries = {}
+  for ax in np.ravel(axes):
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+      entries.setdefault(label, handle)
+  if not entries:
+    return
+  labels = sorted(entries, key=_natural)
+  width, height = fig.get_size_inches()
+  column = 0.6 + 0.065 * max(map(len, labels))  # inches per column at fontsize 8
+  columns = max(1, min(len(labels), 4, int(width // column)))
+  fig.set_size_inches(width, height + 0.2 * math.ceil(len(labels) / columns))
+  fig.legend([entries[label] for label in labels], labels, loc="outside lower center",
+             ncol=columns, fontsize=8, frameon=False)
 
 
 def save(fig: matplotlib.figure.Figure, path: str):
@@ -108,7 +131,7 @@ def extrapolation(rows: list[dict], metric: str,
     ax.set_ylabel(metric)
     ax.set_title(f"{mode} evaluation")
     ax.grid(alpha=0.3, which="both")
-  _legend_below(fig, axes[0][0])
+  _legend_below(fig, axes)
   return fig
 
 
@@ -201,7 +224,7 @@ def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log
     cells[(panel_of(row), line_of(row), x_of(row))].append(row)
   panels = sorted({panel for panel, _, _ in cells}, key=_natural)
   lines = sorted({line for _, line, _ in cells}, key=_natural)
-  colors = _colors(lines)
+  colors, markers = _colors(lines), _markers(lines)
   fig, axes = _grid(len(panels))
   for ax, panel in zip(axes, panels):
     for line in lines:
@@ -215,7 +238,7 @@ def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log
         low = np.array([_mean(p, f"{metric}_ci_low") for p in points])
         high = np.array([_mean(p, f"{metric}_ci_high") for p in points])
         error = [np.maximum(mean - low, 0), np.maximum(high - mean, 0)]
-      ax.errorbar(xs, mean, yerr=error, marker="o", capsize=3, label=line_name(line),
+      ax.errorbar(xs, mean, yerr=error, marker=markers[line], capsize=3, label=line_name(line),
                   color=colors[line])
     if x_axis:
       x_axis(ax)
@@ -230,7 +253,7 @@ def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log
     ax.set_xlabel(x_label)
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
-  _legend_below(fig, axes[0])
+  _legend_below(fig, axes)
   return fig
 
 
@@ -285,29 +308,37 @@ def task_panels(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
                  x_log=True)
 
 
+MIXER_KEYS = ("model.attention", "model.position", "model.layer_pattern", "model.num_kv_heads")
+
+
+def _mixer_keys(rows):
+  """The swept fields that name a mixer, a line's label: MIXER_KEYS (model.num_kv_heads is in a
+  run's config only where its mixer reads it) and the variants' own settings, model.<name>.*."""
+  return [k for k in report.swept_keys(rows) if k in MIXER_KEYS or k.count(".") > 1
+          and k.startswith("model.")]
+
+
 def width(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
   """`metric` against model.d_model, one line per mixer, one panel per other swept setting."""
-  mixer_keys = ("model.attention", "model.position", "model.layer_pattern")
+  mixer_keys = _mixer_keys(rows)
   return _panels(rows, metric, x_of=lambda row: int(row["model.d_model"]),
                  line_of=_labeller(rows, leave_out=[k for k in report.swept_keys(rows)
                                                     if k not in mixer_keys]),
-                 panel_of=_labeller(rows, leave_out=mixer_keys + ("model.d_model",)),
+                 panel_of=_labeller(rows, leave_out=mixer_keys + ["model.d_model"]),
                  x_label="model width (d_model)", x_log=True)
-
-
-MIXER_KEYS = ("model.attention", "model.position", "model.layer_pattern")
 
 
 def accuracy_against_state(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
   """`metric` against the decode state a run carries per sequence at the evaluated length
   (results rows' state_bytes), one line per mixer through its widths or other sizes, one panel
   per task and evaluation length: Zoology's Figure 3 (arXiv:2312.04927)."""
+  mixer_keys = _mixer_keys(rows)
   other = [k for k in report.swept_keys(rows)
-           if k not in MIXER_KEYS and k.startswith(("data.", "train.seq_len"))]
+           if k not in mixer_keys and k.startswith(("data.", "train.seq_len"))]
   task = _labeller(rows, leave_out=[k for k in report.swept_keys(rows) if k not in other])
   return _panels(rows, metric, x_of=lambda row: row["state_bytes"],
                  line_of=_labeller(rows, leave_out=[k for k in report.swept_keys(rows)
-                                                    if k not in MIXER_KEYS]),
+                                                    if k not in mixer_keys]),
                  panel_of=lambda row: " ".join(filter(None, (task(row),
                                                              f"length {row['eval_length']}"))),
                  x_label="decode state per sequence (all layers)", x_axis=_state_axis)
@@ -316,11 +347,12 @@ def accuracy_against_state(rows: list[dict], metric: str) -> matplotlib.figure.F
 def score_against_state(panels: list[tuple[str, dict]]) -> matplotlib.figure.Figure:
   """One panel per (title, {mixer: cell}): each mixer's score (cells with value, low, high and
   state_bytes, as research.results.mad_table's) against its decode state per sequence."""
-  colors = _colors({mixer for _, cells in panels for mixer in cells})
+  mixers = {mixer for _, cells in panels for mixer in cells}
+  colors, markers = _colors(mixers), _markers(mixers)
   fig, axes = _grid(len(panels))
   for ax, (title, cells) in zip(axes, panels):
     for mixer, cell in sorted(cells.items()):
-      ax.errorbar([cell.state_bytes], [cell.value], marker="o", capsize=3, label=mixer,
+      ax.errorbar([cell.state_bytes], [cell.value], marker=markers[mixer], capsize=3, label=mixer,
                   color=colors[mixer], yerr=[[max(cell.value - cell.low, 0)],
                                              [max(cell.high - cell.value, 0)]])
     _state_axis(ax)
@@ -329,5 +361,5 @@ def score_against_state(panels: list[tuple[str, dict]]) -> matplotlib.figure.Fig
     ax.set_xlabel("decode state per sequence (all layers)")
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
-  _legend_below(fig, axes[-1])
+  _legend_below(fig, axes)
   return fig
