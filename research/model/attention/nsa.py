@@ -290,9 +290,10 @@ class NativeSparseAttention(base.Mixer):
     modify = lambda logits, p, q_in, k_in: jnp.where(  # noqa: E731
         moba.visible_blocks(q_in, k_in), logits, moba.MASKED)
     q_inputs = (positions_BxT, positions_BxT // block, None, routed)
+    k_inputs = (k_positions, k_blocks, k_blocks, None)
     o_slc = kv_cache.cached_attention(
-        q_BxTxNxH, [(cache["key"], cache["value"], q_inputs, (k_positions, k_blocks, k_blocks, None),
-                     mask)], scale, core.ScoreMod(modify=modify))
+        q_BxTxNxH, [(cache["key"], cache["value"], q_inputs, k_inputs, mask)], scale,
+        core.ScoreMod(modify=modify))
     o_swa = None
     if self.window:
       near, _ = kv_cache.full_cache_keys(masks.MaskSpec(window=self.window), index_1xT, slots,
