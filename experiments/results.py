@@ -25,6 +25,7 @@ from absl import logging
 from experiments import cli
 from research.bench import report
 from research.results import made
+from research.runs import provenance
 
 _WORKDIR = cli.workdir_flag("Where the entries' sweeps are run (one directory each).")
 _ONLY = flags.DEFINE_list("only", None, "Entries to make (default: all): "
@@ -47,7 +48,7 @@ def main(argv):
         print(f"  {os.path.join(directory, source)} -> docs/{destination}")
       continue
     print(f"{result.name}: {shown}", flush=True)
-    started, code = time.monotonic(), made.commit()
+    started, code = time.monotonic(), provenance.commit()
     status = 0
     for line in lines:
       status = subprocess.run(line, cwd=made.ROOT).returncode
@@ -60,7 +61,7 @@ def main(argv):
       failed.append(result.name)
       continue
     entry = {"command": f"python -m experiments.results --only={result.name}",
-             "runs": shown, "commit": code,
+             "runs": shown, "commit": code, "run_commits": made.run_commits(directory),
              "date": datetime.date.today().isoformat(), "hardware": report.hardware(),
              "minutes": (time.monotonic() - started) / 60}
     files = made.copy(result, directory, os.path.join(made.ROOT, "docs"), entry)

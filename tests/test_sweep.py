@@ -19,6 +19,7 @@ from research import data
 from research.evaluation import results as eval_results
 from research.results import report
 from research.results import sweep
+from research.runs import provenance
 from tests import tiny_sweep
 from tests.conftest import xla_flags
 
@@ -83,6 +84,7 @@ def test_failures_are_isolated_and_recorded(finished_sweep):
   workdir, members = finished_sweep
   states = [sweep.status(workdir, m.name) for m in members]
   assert [s["state"] for s in states] == ["done", "skipped", "failed"]
+  assert states[0]["commit"] == provenance.commit()  # the code that trained it
   assert "NonFiniteLossError" in states[2]["error"]
   summary = open(os.path.join(workdir, "summary.md")).read()
   assert "| attention=linear,position=alibi | skipped | attention 'linear' does not support" in summary
@@ -111,12 +113,19 @@ def test_rerun_does_only_what_is_not_done(finished_sweep):
   workdir, members = finished_sweep
   metrics = os.path.join(sweep.run_dir(workdir, members[0]), "metrics.jsonl")
   before = open(metrics).read()
+  status = os.path.join(sweep.run_dir(workdir, members[0]), "status.json")
+  saved = open(status).read()
+  with open(status, "w") as f:  # as if trained by other code: a rerun keeps that commit
+    json.dump({"state": "done", "commit": "0123abc"}, f)
   messages = []
   for member in members:
     if sweep.status(workdir, member.name)["state"] != "failed":
       sweep.run_member(workdir, member, progress=messages.append)
   assert open(metrics).read() == before
   assert any("done already" in m for m in messages)
+  assert sweep.status(workdir, members[0].name)["commit"] == "0123abc"
+  with open(status, "w") as f:  # as the fixture left it, for the other tests
+    f.write(saved)
 
 
 def test_a_different_config_in_the_same_workdir_is_refused(finished_sweep):

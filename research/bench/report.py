@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import jax
 import matplotlib
 
-from research.results import made
+from research.runs import provenance
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -75,7 +75,7 @@ def metadata(command):
   """When, where, with what and from which commit a run is made (its "minutes" set after it)."""
   return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
           "hardware": hardware(), "backend": jax.default_backend(),
-          "jax_version": jax.__version__, "command": command, "commit": made.commit()}
+          "jax_version": jax.__version__, "command": command, "commit": provenance.commit()}
 
 
 def lookup(rows, field, **match):

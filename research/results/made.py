@@ -5,18 +5,18 @@ there, a Markdown file with a line saying how it was made on top, and `record` k
 docs/made.json and docs/made.md, which say for every file the command, commit, date, hardware
 and minutes."""
 
+import collections
 import dataclasses
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 from research.results import sweep
+from research.runs import provenance
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = provenance.ROOT
 MADE = os.path.join("docs", "made.json")  # the record; docs/made.md is drawn from it
-CODE = ("research", "configs", "experiments", "requirements.txt")  # what makes the results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +119,23 @@ def commands(result, workdir):
           for command in result.commands], directory
 
 
-def commit():
-  """The checkout's commit (short), with "+changes" when its code (CODE) differs from it; taken
-  before an entry runs (docs/ changes as entries are copied)."""
-  def git(*args):
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-  head = git("rev-parse", "--short", "HEAD") or "unknown"
-  changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
-  return head + ("+changes" if changed else "")
+def run_commits(directory):
+  """{commit: runs} of the sweep in `directory`: the code that finished each done run's training
+  (sweep status.json; "not recorded" for runs made before status files kept it)."""
+  runs = os.path.join(directory, "runs")
+  names = sorted(os.listdir(runs)) if os.path.isdir(runs) else []
+  states = [sweep.status(directory, name) for name in names]
+  return dict(collections.Counter(s.get("commit", "not recorded") for s in states
+                                  if s["state"] == "done"))
+
+
+def commit_cell(entry):
+  """The entry's commit, and its runs' where they differ (runs from earlier sittings)."""
+  runs = entry.get("run_commits") or {}
+  if set(runs) <= {entry["commit"]}:
+    return entry["commit"]
+  return (f"{entry['commit']} (runs: " + ", ".join(f"{c} x{n}" for c, n in sorted(runs.items()))
+          + ")")
 
 
 def unfinished_runs(directory):
@@ -139,7 +148,7 @@ def unfinished_runs(directory):
 
 
 def provenance_line(entry):
-  return (f"Made by `{entry['command']}` from commit {entry['commit']} on {entry['date']}, "
+  return (f"Made by `{entry['command']}` from commit {commit_cell(entry)} on {entry['date']}, "
           f"{entry['hardware']}, in {entry['minutes']:.1f} min.")
 
 
@@ -181,7 +190,7 @@ def record(made_path, files, entry):
            "earlier workdir takes less than from an empty one (README's preset table has those "
            "times).", "",
            "| file | command | commit | date | hardware | minutes |", "|---|---|---|---|---|---|"]
-  lines += [f"| {path} | `{e['command']}` | {e['commit']} | {e['date']} | {e['hardware']} | "
+  lines += [f"| {path} | `{e['command']}` | {commit_cell(e)} | {e['date']} | {e['hardware']} | "
             f"{e['minutes']:.1f} |" for path, e in sorted(made.items())]
   with open(os.path.join(os.path.dirname(made_path), "made.md"), "w") as f:
     f.write("\n".join(lines) + "\n")

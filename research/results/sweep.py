@@ -3,8 +3,9 @@
 An experiment config file defines `get_config(preset)` and `get_sweep(preset)`, the latter a list
 of override dicts such as {"model.attention": "mha", "model.position": "alibi", "train.seed": 0}.
 Each member trains in DIR/runs/<name>/ and is evaluated at every eval length (research.
-extrapolation); DIR/runs/<name>/status.json says done, failed (with the error) or skipped (an
-incompatible attention x position pair, with the reason). A setting of the experiment that a member does not read (eval.rope_scalings in an ALiBi member,
+extrapolation); DIR/runs/<name>/status.json says done (with the commit of the code that trained
+it: research.runs.provenance), failed (with the error) or skipped (an incompatible attention x
+position pair, with the reason). A setting of the experiment that a member does not read (eval.rope_scalings in an ALiBi member,
 model.learned.* beside other schemes) is reset to its default in that member (research.runs.unread);
 one that no member reads is refused. A rerun does only what is not done:
 it trains unfinished members and evaluates finished ones at the settings they have no results
@@ -29,6 +30,7 @@ from research.model import flops
 from research.model import transformer as model_lib
 from research.training import loop as train
 from research.runs import lock as workdir_lock
+from research.runs import provenance
 from research.runs import unread
 from research.runs import workdirs
 
@@ -346,7 +348,7 @@ def run_member(workdir: str, member: Member,
   """Train and evaluate one member; if it is done, evaluate it at the settings it has no results
   for. A failure is recorded, not raised; a member that another process runs is left to it."""
   directory, label = run_dir(workdir, member), f"[{member.index}] {member.name}"
-  done = status(workdir, member.name)["state"] == "done"
+  previous = status(workdir, member.name)
   try:
     with workdir_lock.hold(directory):
       if member.skip_reason:
@@ -354,20 +356,26 @@ def run_member(workdir: str, member: Member,
         _write_json(os.path.join(directory, "status.json"),
                     {"state": "skipped", "reason": member.skip_reason})
         return
-      _train_and_evaluate(directory, member, label, done, progress)
+      _train_and_evaluate(directory, member, label, previous, progress)
   except workdir_lock.WorkdirBusyError as e:
     progress(f"{label}: left alone: {e}")
 
 
-def _train_and_evaluate(directory, member, label, done, progress):
+def _train_and_evaluate(directory, member, label, previous, progress):
+  """Train (unless `previous`, the run's status, says done) and evaluate; status.json then says
+  done, with the commit of the code that trained it (kept from `previous` when done already)."""
   status_path = os.path.join(directory, "status.json")
+  done = previous["state"] == "done"
   try:
+    finished = {"state": "done", **({"commit": previous["commit"]} if "commit" in previous
+                                    else {})}
     if not done:
       progress(f"{label}: training")
+      finished["commit"] = provenance.commit()  # the code that trains it (to its end)
       train.train_and_evaluate(member.config, directory)
       progress(f"{label}: evaluating")
     new_rows = extrapolation.evaluate_run(member.config, directory, progress=progress)
-    _write_json(status_path, {"state": "done"})
+    _write_json(status_path, finished)
     if done:
       progress(f"{label}: done already" + (f"; evaluated {len(new_rows)} new settings"
                                            if new_rows else ""))
