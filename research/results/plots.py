@@ -200,10 +200,7 @@ def _mean(rows, key):
 
 
 def _bytes_label(value, _=None):
-  for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-    if value >= size:
-      return f"{value / size:g} {unit}"
-  return f"{value:g} B"
+  return report.bytes_text(value)
 
 
 def _state_axis(ax):
@@ -308,19 +305,9 @@ def task_panels(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
                  x_log=True)
 
 
-MIXER_KEYS = ("model.attention", "model.position", "model.layer_pattern", "model.num_kv_heads")
-
-
-def _mixer_keys(rows):
-  """The swept fields that name a mixer, a line's label: MIXER_KEYS (model.num_kv_heads is in a
-  run's config only where its mixer reads it) and the variants' own settings, model.<name>.*."""
-  return [k for k in report.swept_keys(rows) if k in MIXER_KEYS or k.count(".") > 1
-          and k.startswith("model.")]
-
-
 def width(rows: list[dict], metric: str) -> matplotlib.figure.Figure:
   """`metric` against model.d_model, one line per mixer, one panel per other swept setting."""
-  mixer_keys = _mixer_keys(rows)
+  mixer_keys = report.mixer_keys(rows)
   return _panels(rows, metric, x_of=lambda row: int(row["model.d_model"]),
                  line_of=_labeller(rows, leave_out=[k for k in report.swept_keys(rows)
                                                     if k not in mixer_keys]),
@@ -332,7 +319,7 @@ def accuracy_against_state(rows: list[dict], metric: str) -> matplotlib.figure.F
   """`metric` against the decode state a run carries per sequence at the evaluated length
   (results rows' state_bytes), one line per mixer through its widths or other sizes, one panel
   per task and evaluation length: Zoology's Figure 3 (arXiv:2312.04927)."""
-  mixer_keys = _mixer_keys(rows)
+  mixer_keys = report.mixer_keys(rows)
   other = [k for k in report.swept_keys(rows)
            if k not in mixer_keys and k.startswith(("data.", "train.seq_len"))]
   task = _labeller(rows, leave_out=[k for k in report.swept_keys(rows) if k not in other])

@@ -14,7 +14,9 @@ base config (its dotted name). Needle tasks add `depths` (those evaluated) and a
 depth, with its `depth`; their row with an empty depth pools every depth. summary.md and the
 figures show each run's latest rows (the newest checkpoint step) of the validation split; a run
 evaluated before its last step is labelled with the step. A sweep of MAD tasks adds mad.md and
-mad_state.png (research.results.mad_table), which read the test split too.
+mad_state.png (research.results.mad_table), which read the test split too; another task sweep
+over model.d_model adds width.md (research.results.width_table: every cell over seeds, seed by
+seed).
 """
 
 import collections
@@ -27,6 +29,7 @@ from research import data
 from research.evaluation import results as eval_results
 from research.results import mad_table
 from research.results import sweep as sweep_lib
+from research.results import width_table
 from research.results.tables import (aggregate, cell, intervals, mean_std, scaled_label,
                                      swept_keys, variant_label)
 from research.runs import unread
@@ -232,4 +235,6 @@ def write(workdir: str) -> Written:
   figures = _write_figures(workdir, rows, depth_rows, config, metric, train_length) if rows else []
   if mad_table.applies(every_split):
     figures += mad_table.write(workdir, every_split, config.data.name)
+  elif rows and width_table.applies(rows) and not data.is_language_modeling(config):
+    figures += width_table.write(workdir, rows, metric)
   return Written(["results.csv", "summary.md", *figures], [name for name, _ in not_done])

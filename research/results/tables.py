@@ -69,6 +69,25 @@ def swept_keys(rows: list[dict]) -> list[str]:
   return [k for k in (rows[0] if rows else {}) if "." in k]
 
 
+MIXER_KEYS = ("model.attention", "model.position", "model.layer_pattern", "model.num_kv_heads")
+
+
+def mixer_keys(rows: list[dict]) -> list[str]:
+  """The swept fields that name a mixer: MIXER_KEYS (model.num_kv_heads is in a run's config only
+  where its mixer reads it) and the variants' own settings, model.<name>.*."""
+  return [k for k in swept_keys(rows) if k in MIXER_KEYS or k.count(".") > 1
+          and k.startswith("model.")]
+
+
+def bytes_text(value: float) -> str:
+  """'36 KiB', '43.88 KiB', '1.5 MiB': a size in the largest binary unit it reaches, to four
+  significant digits."""
+  for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    if value >= size:
+      return f"{value / size:.4g} {unit}"
+  return f"{value:.4g} B"
+
+
 def aggregate(rows: list[dict], metric: str) -> dict:
   """{(eval_mode, variant, rope_scaling): {eval_length: [metric per seed]}}."""
   keys = swept_keys(rows)
