@@ -23,7 +23,6 @@ from absl import flags
 from absl import logging
 
 from experiments import cli
-from research.bench import report
 from research.results import made
 from research.runs import provenance
 
@@ -61,8 +60,9 @@ def main(argv):
       failed.append(result.name)
       continue
     entry = {"command": f"python -m experiments.results --only={result.name}",
-             "runs": shown, "commit": code, "run_commits": made.run_commits(directory),
-             "date": datetime.date.today().isoformat(), "hardware": report.hardware(),
+             "runs": shown, "commit": code, "run_commits": made.run_sources(directory, "commit"),
+             "run_hardware": made.run_sources(directory, "hardware"),
+             "date": datetime.date.today().isoformat(), "hardware": provenance.hardware(),
              "minutes": (time.monotonic() - started) / 60}
     files = made.copy(result, directory, os.path.join(made.ROOT, "docs"), entry)
     made.record(os.path.join(made.ROOT, made.MADE), files, entry)

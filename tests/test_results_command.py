@@ -103,18 +103,25 @@ def test_a_sweep_with_a_failed_or_lost_run_is_not_copied(tmp_path):
   assert results.unfinished_runs(str(tmp_path / "no_sweep")) == []
 
 
-def test_the_record_names_the_commits_that_trained_runs_from_earlier_sittings(tmp_path):
-  for name, status in (("a", {"state": "done", "commit": "abc1234"}),
-                       ("b", {"state": "done", "commit": "abc1234"}), ("c", {"state": "done"}),
-                       ("d", {"state": "skipped", "reason": "x"})):
+def test_the_record_names_the_commits_and_machines_that_trained_runs_from_earlier_sittings(
+    tmp_path):
+  for name, status in (("a", {"state": "done", "commit": "abc1234", "hardware": "CPU X"}),
+                       ("b", {"state": "done", "commit": "abc1234", "hardware": "a CPU"}),
+                       ("c", {"state": "done"}), ("d", {"state": "skipped", "reason": "x"})):
     (tmp_path / "runs" / name).mkdir(parents=True)
     (tmp_path / "runs" / name / "status.json").write_text(json.dumps(status))
-  runs = results.run_commits(str(tmp_path))
+  runs = results.run_sources(str(tmp_path), "commit")
   assert runs == {"abc1234": 2, "not recorded": 1}
+  machines = results.run_sources(str(tmp_path), "hardware")
+  assert machines == {"CPU X": 1, "a CPU": 1, "not recorded": 1}
   entry = {"command": "python -m experiments.results --only=toy", "commit": "def5678",
-           "run_commits": runs, "date": "2026-12-05", "hardware": "a CPU", "minutes": 2.0}
+           "run_commits": runs, "run_hardware": machines, "date": "2026-12-05",
+           "hardware": "a CPU", "minutes": 2.0}
   assert results.provenance_line(entry) == (
       "Made by `python -m experiments.results --only=toy` from commit def5678 (runs: abc1234 x2, "
-      "not recorded x1) on 2026-12-05, a CPU, in 2.0 min.")
+      "not recorded x1) on 2026-12-05, a CPU (runs: CPU X x1, a CPU x1, not recorded x1), in "
+      "2.0 min.")
   assert results.commit_cell(dict(entry, run_commits={"def5678": 3})) == "def5678"
+  assert results.hardware_cell(dict(entry, run_hardware={"a CPU": 3})) == "a CPU"
+  assert results.hardware_cell({"hardware": "a CPU"}) == "a CPU"  # entries made before
   assert results.commit_cell({"commit": "def5678"}) == "def5678"  # entries made before

@@ -85,6 +85,7 @@ def test_failures_are_isolated_and_recorded(finished_sweep):
   states = [sweep.status(workdir, m.name) for m in members]
   assert [s["state"] for s in states] == ["done", "skipped", "failed"]
   assert states[0]["commit"] == provenance.commit()  # the code that trained it
+  assert states[0]["hardware"] == provenance.hardware()  # and the machine
   assert "NonFiniteLossError" in states[2]["error"]
   summary = open(os.path.join(workdir, "summary.md")).read()
   assert "| attention=linear,position=alibi | skipped | attention 'linear' does not support" in summary
@@ -115,8 +116,8 @@ def test_rerun_does_only_what_is_not_done(finished_sweep):
   before = open(metrics).read()
   status = os.path.join(sweep.run_dir(workdir, members[0]), "status.json")
   saved = open(status).read()
-  with open(status, "w") as f:  # as if trained by other code: a rerun keeps that commit
-    json.dump({"state": "done", "commit": "0123abc"}, f)
+  with open(status, "w") as f:  # as if trained elsewhere: a rerun keeps that commit and machine
+    json.dump({"state": "done", "commit": "0123abc", "hardware": "another CPU"}, f)
   messages = []
   for member in members:
     if sweep.status(workdir, member.name)["state"] != "failed":
@@ -124,6 +125,7 @@ def test_rerun_does_only_what_is_not_done(finished_sweep):
   assert open(metrics).read() == before
   assert any("done already" in m for m in messages)
   assert sweep.status(workdir, members[0].name)["commit"] == "0123abc"
+  assert sweep.status(workdir, members[0].name)["hardware"] == "another CPU"
   with open(status, "w") as f:  # as the fixture left it, for the other tests
     f.write(saved)
 
@@ -270,7 +272,7 @@ def _fake_evaluations(config, member_index):
 @pytest.mark.parametrize("name,figures", [
     ("long_context", ("needle_heatmap.png", "lost_in_the_middle.png", "tasks.png",
                       "accuracy_vs_state.png")),
-    ("mqar", ("width.png", "accuracy_vs_state.png")),
+    ("mqar", ("width.png", "accuracy_vs_state.png", "width.md")),
     ("algorithmic", ("tasks.png", "accuracy_vs_state.png")),
     ("mad", ("tasks.png", "mad.md", "mad_state.png"))])
 def test_figures_and_summary_from_results_files(name, figures, tmp_path):

@@ -9,8 +9,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
-import subprocess
 from typing import Callable, Optional
 
 import jax
@@ -56,25 +54,10 @@ class Suite:
   figure: Optional[Callable] = None
 
 
-def hardware():
-  """The CPU model and core count (from lscpu), or the accelerator kind and count."""
-  devices = jax.devices()
-  if devices[0].platform != "cpu":
-    return f"{len(devices)} x {devices[0].device_kind}"
-  model = platform.processor() or "unknown CPU"
-  try:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    model = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
-                 if line.startswith("Model name"))
-  except (OSError, subprocess.CalledProcessError, StopIteration):
-    pass
-  return f"{model}, {os.cpu_count()} cores"
-
-
 def metadata(command):
   """When, where, with what and from which commit a run is made (its "minutes" set after it)."""
   return {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "hardware": hardware(), "backend": jax.default_backend(),
+          "hardware": provenance.hardware(), "backend": jax.default_backend(),
           "jax_version": jax.__version__, "command": command, "commit": provenance.commit()}
 
 

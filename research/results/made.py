@@ -119,23 +119,32 @@ def commands(result, workdir):
           for command in result.commands], directory
 
 
-def run_commits(directory):
-  """{commit: runs} of the sweep in `directory`: the code that finished each done run's training
-  (sweep status.json; "not recorded" for runs made before status files kept it)."""
+def run_sources(directory, key):
+  """{value: runs} of `key` ("commit" or "hardware") over the done runs of the sweep in
+  `directory`: the code, or the machine, that trained each (sweep status.json; "not recorded"
+  for runs made before status files kept it)."""
   runs = os.path.join(directory, "runs")
   names = sorted(os.listdir(runs)) if os.path.isdir(runs) else []
   states = [sweep.status(directory, name) for name in names]
-  return dict(collections.Counter(s.get("commit", "not recorded") for s in states
+  return dict(collections.Counter(s.get(key, "not recorded") for s in states
                                   if s["state"] == "done"))
 
 
+def _with_runs(value, runs):
+  """The entry's value, and its runs' where they differ (runs from earlier sittings)."""
+  if set(runs or {}) <= {value}:
+    return value
+  return f"{value} (runs: " + ", ".join(f"{v} x{n}" for v, n in sorted(runs.items())) + ")"
+
+
 def commit_cell(entry):
-  """The entry's commit, and its runs' where they differ (runs from earlier sittings)."""
-  runs = entry.get("run_commits") or {}
-  if set(runs) <= {entry["commit"]}:
-    return entry["commit"]
-  return (f"{entry['commit']} (runs: " + ", ".join(f"{c} x{n}" for c, n in sorted(runs.items()))
-          + ")")
+  """The entry's commit, and its runs' where they differ."""
+  return _with_runs(entry["commit"], entry.get("run_commits"))
+
+
+def hardware_cell(entry):
+  """The entry's hardware, and its runs' where they differ."""
+  return _with_runs(entry["hardware"], entry.get("run_hardware"))
 
 
 def unfinished_runs(directory):
@@ -149,7 +158,7 @@ def unfinished_runs(directory):
 
 def provenance_line(entry):
   return (f"Made by `{entry['command']}` from commit {commit_cell(entry)} on {entry['date']}, "
-          f"{entry['hardware']}, in {entry['minutes']:.1f} min.")
+          f"{hardware_cell(entry)}, in {entry['minutes']:.1f} min.")
 
 
 def copy(result, directory, docs, entry):
@@ -190,7 +199,7 @@ def record(made_path, files, entry):
            "earlier workdir takes less than from an empty one (README's preset table has those "
            "times).", "",
            "| file | command | commit | date | hardware | minutes |", "|---|---|---|---|---|---|"]
-  lines += [f"| {path} | `{e['command']}` | {commit_cell(e)} | {e['date']} | {e['hardware']} | "
+  lines += [f"| {path} | `{e['command']}` | {commit_cell(e)} | {e['date']} | {hardware_cell(e)} | "
             f"{e['minutes']:.1f} |" for path, e in sorted(made.items())]
   with open(os.path.join(os.path.dirname(made_path), "made.md"), "w") as f:
     f.write("\n".join(lines) + "\n")

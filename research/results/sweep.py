@@ -3,8 +3,8 @@
 An experiment config file defines `get_config(preset)` and `get_sweep(preset)`, the latter a list
 of override dicts such as {"model.attention": "mha", "model.position": "alibi", "train.seed": 0}.
 Each member trains in DIR/runs/<name>/ and is evaluated at every eval length (research.
-extrapolation); DIR/runs/<name>/status.json says done (with the commit of the code that trained
-it: research.runs.provenance), failed (with the error) or skipped (an incompatible attention x
+extrapolation); DIR/runs/<name>/status.json says done (with the commit of the code and the hardware
+that trained it: research.runs.provenance), failed (with the error) or skipped (an incompatible attention x
 position pair, with the reason). A setting of the experiment that a member does not read (eval.rope_scalings in an ALiBi member,
 model.learned.* beside other schemes) is reset to its default in that member (research.runs.unread);
 one that no member reads is refused. A rerun does only what is not done:
@@ -361,17 +361,20 @@ def run_member(workdir: str, member: Member,
     progress(f"{label}: left alone: {e}")
 
 
+PROVENANCE = ("commit", "hardware")  # what a done run's status.json says made it
+
+
 def _train_and_evaluate(directory, member, label, previous, progress):
   """Train (unless `previous`, the run's status, says done) and evaluate; status.json then says
-  done, with the commit of the code that trained it (kept from `previous` when done already)."""
+  done, with the commit and hardware that trained it (kept from `previous` when done already)."""
   status_path = os.path.join(directory, "status.json")
   done = previous["state"] == "done"
   try:
-    finished = {"state": "done", **({"commit": previous["commit"]} if "commit" in previous
-                                    else {})}
+    finished = {"state": "done", **{k: previous[k] for k in PROVENANCE if k in previous}}
     if not done:
       progress(f"{label}: training")
-      finished["commit"] = provenance.commit()  # the code that trains it (to its end)
+      # the code and machine that train it (to its end)
+      finished.update(commit=provenance.commit(), hardware=provenance.hardware())
       train.train_and_evaluate(member.config, directory)
       progress(f"{label}: evaluating")
     new_rows = extrapolation.evaluate_run(member.config, directory, progress=progress)
