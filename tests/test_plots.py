@@ -6,6 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
+from matplotlib.collections import PathCollection
 
 from research.results import plots
 
@@ -115,3 +116,25 @@ def test_the_width_figure_keeps_each_mixer_one_line_and_lists_every_panel_s_line
             for bar in figure.axes[0].containers}
   assert len(styles) == len(mixers)
   plots.plt.close(figure)
+
+
+def test_points_over_several_seeds_show_each_seed_s_value():
+  """A recall result hinges on which seeds crossed a transition: beside the mean, each seed's
+  value is drawn (hollow markers of the line's colour); one seed draws the mean alone."""
+  rows = [{"run": f"mha-{width}-{seed}", "model.attention": "mha", "model.position": "none",
+           "model.d_model": width, "data.num_kv_pairs": 4, "eval_mode": "nonoverlapping",
+           "eval_length": 64, "rope_scaling": "none", "accuracy": value}
+          for width, values in ((32, (0.2, 0.3, 1.0)), (64, (1.0, 1.0, 0.1)))
+          for seed, value in enumerate(values)]
+  figure = plots.width(rows, "accuracy")
+  (ax,) = figure.axes
+  (bar,) = ax.containers
+  np.testing.assert_allclose(bar.lines[0].get_ydata(), [0.5, 0.7])  # the means
+  scattered = lambda axes: [c for c in axes.collections if isinstance(c, PathCollection)]
+  (seeds,) = scattered(ax)
+  assert sorted(map(tuple, seeds.get_offsets().tolist())) == sorted(
+      [(32, 0.2), (32, 0.3), (32, 1.0), (64, 1.0), (64, 1.0), (64, 0.1)])
+  plots.plt.close(figure)
+  one_seed = plots.width([row for row in rows if row["run"].endswith("-0")], "accuracy")
+  assert scattered(one_seed.axes[0]) == []
+  plots.plt.close(one_seed)

@@ -25,7 +25,9 @@ research.results.report saves them (`save`) as
   mad_state.png         MAD sweeps (research.results.mad_table): each mixer's score per task and
                         overall against its state size.
 In the last four, points are means over seeds and error bars span the seeds' mean 95% bootstrap
-interval over evaluated examples (results.csv's `<metric>_ci_low` / `_ci_high`).
+interval over evaluated examples (results.csv's `<metric>_ci_low` / `_ci_high`); tasks.png,
+width.png and accuracy_vs_state.png also mark each seed's value (small hollow markers), the
+spread across seeds that the intervals over examples do not show.
 Legends sit below the panels. A variant has the same colour in every panel.
 """
 
@@ -214,8 +216,9 @@ def _state_axis(ax):
 def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log=False,
             x_axis=None):
   """One panel per panel_of(row), one line per line_of(row): the mean over seeds of `metric`
-  against x_of(row), error bars spanning the mean of the seeds' 95% intervals. x_log: a log axis
-  ticked at every x; x_axis: a function that sets the x axis up instead."""
+  against x_of(row), error bars spanning the mean of the seeds' 95% intervals, and with several
+  seeds each seed's value as a small hollow marker of the line's colour. x_log: a log axis ticked
+  at every x; x_axis: a function that sets the x axis up instead."""
   cells = collections.defaultdict(list)
   for row in rows:
     cells[(panel_of(row), line_of(row), x_of(row))].append(row)
@@ -237,6 +240,10 @@ def _panels(rows, metric, x_of, line_of, panel_of, x_label, line_name=str, x_log
         error = [np.maximum(mean - low, 0), np.maximum(high - mean, 0)]
       ax.errorbar(xs, mean, yerr=error, marker=markers[line], capsize=3, label=line_name(line),
                   color=colors[line])
+      if any(len(p) > 1 for p in points):  # each seed's value, so the spread across seeds shows
+        seeds = [(x, row[metric]) for x, p in zip(xs, points) for row in p]
+        ax.scatter(*zip(*seeds), s=14, marker=markers[line], facecolors="none",
+                   edgecolors=colors[line], alpha=0.6, linewidths=0.8, zorder=1.5)
     if x_axis:
       x_axis(ax)
     elif x_log:
