@@ -124,13 +124,17 @@ def markdown_tables(model_config) -> dict[str, str]:
           "config-defaults": "\n".join(defaults)}
 
 
-def embed(text: str, tables: dict[str, str]) -> str:
-  """`text` with each `<!-- generated:NAME ... -->` ... `<!-- /generated:NAME -->` block's body
-  replaced by tables[NAME]."""
+def embed(text: str, tables: dict[str, str], kind: str = "generated") -> str:
+  """`text` with each `<!-- KIND:NAME ... -->` ... `<!-- /KIND:NAME -->` block's body replaced by
+  tables[NAME]; blocks of other names are left alone (`make results` fills its `made:...` blocks
+  one entry at a time; tests/test_docs.py checks that no generated block names an unknown
+  table)."""
   def replace(match):
+    if match.group(2) not in tables:
+      return match.group(0)
     return f"{match.group(1)}\n{tables[match.group(2)]}\n{match.group(3)}"
 
-  return re.sub(r"(<!-- generated:([\w-]+)[^>]*-->)\n.*?(<!-- /generated:\2 -->)", replace, text,
+  return re.sub(rf"(<!-- {kind}:([\w./-]+)[^>]*-->)\n.*?(<!-- /{kind}:\2 -->)", replace, text,
                 flags=re.S)
 
 
@@ -143,9 +147,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS_MODEL_OVERRIDES = {"num_kv_heads": 2}
 
 
-def blocks(text: str) -> list[str]:
-  """The names of the generated blocks in `text`."""
-  return re.findall(r"<!-- generated:([\w-]+)", text)
+def blocks(text: str, kind: str = "generated") -> list[str]:
+  """The names of the `kind` blocks in `text`."""
+  return re.findall(rf"<!-- {kind}:([\w./-]+)", text)
 
 
 def stale_files(tables: dict[str, str]) -> list[str]:

@@ -103,6 +103,39 @@ def test_a_sweep_with_a_failed_or_lost_run_is_not_copied(tmp_path):
   assert results.unfinished_runs(str(tmp_path / "no_sweep")) == []
 
 
+def test_a_page_shows_an_embedded_table_in_its_block_and_a_missing_block_writes_nothing(
+    tmp_path):
+  result = results.Result("toy", (), {"fig.png": "toy/fig.png"}, embeds={"width.md": "page.md"})
+  run, docs = tmp_path / "run", tmp_path / "docs"
+  run.mkdir()
+  docs.mkdir()
+  (run / "fig.png").write_bytes(b"\x89PNG")
+  (run / "width.md").write_text("# Accuracy by width\n\nSeeds 0, 1.\n\n## Width 64\n\n| a |\n")
+  page = "# Results\n\n## Toy\n\nProse.\n\n<!-- made:toy/width.md -->\nold table\n" \
+         "<!-- /made:toy/width.md -->\n\nMore prose.\n"
+  (docs / "page.md").write_text(page.replace("made:toy/width.md", "made:toy/other.md"))
+  entry = {"command": "python -m experiments.results --only=toy", "commit": "abc1234",
+           "date": "2026-12-05", "hardware": "a CPU", "minutes": 1.0}
+  with pytest.raises(ValueError, match="docs/page.md has no block <!-- made:toy/width.md -->"):
+    results.copy(result, str(run), str(docs), entry)
+  assert not (docs / "toy").exists()  # nothing copied before every block was found
+  (docs / "page.md").write_text(page)
+  files = results.copy(result, str(run), str(docs), entry)
+  assert files == ["docs/toy/fig.png", "docs/page.md (block toy/width.md)"]
+  assert (docs / "page.md").read_text() == (
+      "# Results\n\n## Toy\n\nProse.\n\n<!-- made:toy/width.md -->\n"
+      "Made by `python -m experiments.results --only=toy` from commit abc1234 on 2026-12-05, "
+      "a CPU, in 1.0 min.\n\nSeeds 0, 1.\n\n#### Width 64\n\n| a |\n"
+      "<!-- /made:toy/width.md -->\n\nMore prose.\n")
+
+
+def test_every_embedded_table_has_its_block_in_its_page():
+  for result in results.RESULTS:
+    for source, page in result.embeds.items():
+      with open(os.path.join(ROOT, "docs", page)) as f:
+        assert results.block(result, source) in results.variants.blocks(f.read(), kind="made")
+
+
 def test_the_record_names_the_commits_and_machines_that_trained_runs_from_earlier_sittings(
     tmp_path):
   for name, status in (("a", {"state": "done", "commit": "abc1234", "hardware": "CPU X"}),

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 
+from research import variants
 from research.results import sweep
 from research.runs import provenance
 
@@ -22,12 +23,15 @@ MADE = os.path.join("docs", "made.json")  # the record; docs/made.md is drawn fr
 @dataclasses.dataclass(frozen=True)
 class Result:
   """A result: `commands` (python -m module args, `{dir}` standing for the entry's directory:
-  `directory` under the workdir, its name by default) and `copies`, {file under the entry's
-  directory: its place under docs/}."""
+  `directory` under the workdir, its name by default), `copies`, {file under the entry's
+  directory: its place under docs/}, and `embeds`, {Markdown file under the entry's directory: a
+  page under docs/ that shows it in its block `<!-- made:NAME/FILE -->` ... `<!-- /made:NAME/FILE
+  -->`}."""
   name: str
   commands: tuple[tuple[str, ...], ...]
   copies: dict[str, str]
   directory: str = ""
+  embeds: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _sweep(config, *extra):
@@ -77,7 +81,8 @@ RESULTS = (
             "tasks.png": "evaluation/state_tracking.png"}),
     Result("mqar", (_sweep("configs/mqar.py:quick", SEEDS),),
            {"summary.md": "evaluation/mqar_summary.md", "width.png": "evaluation/mqar_width.png",
-            "accuracy_vs_state.png": "evaluation/mqar_state.png"}),
+            "accuracy_vs_state.png": "evaluation/mqar_state.png"},
+           embeds={"width.md": "results.md"}),  # every cell over the seeds, seed by seed
     Result("mad", (_sweep("configs/mad.py:quick", SEEDS),),
            {"mad.md": "evaluation/mad_quick.md", "mad_state.png": "evaluation/mad_state.png"}),
     Result("needles", (_sweep("configs/long_context.py:quick", SEEDS),),
@@ -161,13 +166,40 @@ def provenance_line(entry):
           f"{hardware_cell(entry)}, in {entry['minutes']:.1f} min.")
 
 
+def block(result, source):
+  """The name of the block of a page that shows `source` of `result` (Result.embeds)."""
+  return f"{result.name}/{source}"
+
+
+def _demoted(text, levels=2):
+  """A Markdown file as a page's block shows it: without its title, its headings `levels`
+  deeper (a page's section holds it)."""
+  lines = text.splitlines()
+  if lines and lines[0].startswith("# "):
+    lines = lines[1:]
+  return "\n".join("#" * levels + line if line.startswith("#") else line
+                   for line in lines).strip("\n")
+
+
 def copy(result, directory, docs, entry):
-  """Copy the entry's files into `docs` (a Markdown file with the provenance line on top);
-  returns their docs/ paths. Every source is checked before anything is copied."""
-  missing = [s for s in result.copies if not os.path.isfile(os.path.join(directory, s))]
+  """Copy the entry's files into `docs` (a Markdown file with the provenance line on top) and
+  fill the blocks of the pages that embed its Markdown files (the same line on top); returns
+  the docs/ paths written (a page as `page (block NAME)`). Every source and block is checked
+  before anything is written."""
+  missing = [s for s in [*result.copies, *result.embeds]
+             if not os.path.isfile(os.path.join(directory, s))]
   if missing:
     raise FileNotFoundError(f"{result.name}: its commands did not write {', '.join(missing)} "
                             f"under {directory}")
+  pages = {}
+  for source, page in result.embeds.items():
+    if page not in pages:
+      with open(os.path.join(docs, page)) as f:
+        pages[page] = f.read()
+    if block(result, source) not in variants.blocks(pages[page], kind="made"):
+      raise ValueError(f"{result.name}: docs/{page} has no block <!-- made:"
+                       f"{block(result, source)} --> ... <!-- /made:{block(result, source)} --> "
+                       f"to show {source} in")
   written = []
   for source, destination in result.copies.items():
     target = os.path.join(docs, destination)
@@ -180,6 +212,14 @@ def copy(result, directory, docs, entry):
     else:
       shutil.copyfile(os.path.join(directory, source), target)
     written.append(os.path.join("docs", destination))
+  for source, page in result.embeds.items():
+    with open(os.path.join(directory, source)) as f:
+      body = f"{provenance_line(entry)}\n\n{_demoted(f.read())}"
+    pages[page] = variants.embed(pages[page], {block(result, source): body}, kind="made")
+    written.append(f"{os.path.join('docs', page)} (block {block(result, source)})")
+  for page, text in pages.items():
+    with open(os.path.join(docs, page), "w") as f:
+      f.write(text)
   return written
 
 
