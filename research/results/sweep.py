@@ -3,13 +3,14 @@
 An experiment config file defines `get_config(preset)` and `get_sweep(preset)`, the latter a list
 of override dicts such as {"model.attention": "mha", "model.position": "alibi", "train.seed": 0}.
 Each member trains in DIR/runs/<name>/ and is evaluated at every eval length (research.
-extrapolation); DIR/runs/<name>/status.json says done (with the commit of the code and the hardware
-that trained it: research.runs.provenance), failed (with the error) or skipped (an incompatible attention x
-position pair, with the reason). A setting of the experiment that a member does not read (eval.rope_scalings in an ALiBi member,
-model.learned.* beside other schemes) is reset to its default in that member (research.runs.unread);
-one that no member reads is refused. A rerun does only what is not done:
-it trains unfinished members and evaluates finished ones at the settings they have no results
-for (eval fields may change between reruns; fields that change training may not).
+extrapolation); DIR/runs/<name>/status.json says done (with the commit of the code and the
+hardware that trained it: research.runs.provenance), failed (with the error) or skipped (an
+incompatible attention x position pair, with the reason). A setting of the experiment that a
+member does not read (eval.rope_scalings in an ALiBi member, model.learned.* beside other
+schemes) is reset to its default in that member (research.runs.unread); one that no member reads
+is refused. A rerun does only what is not done: it trains unfinished members and evaluates
+finished ones at the settings they have no results for (eval fields may change between reruns;
+fields that change training may not).
 """
 
 import functools
@@ -373,9 +374,10 @@ def _train_and_evaluate(directory, member, label, previous, progress):
     finished = {"state": "done", **{k: previous[k] for k in PROVENANCE if k in previous}}
     if not done:
       progress(f"{label}: training")
-      # the code and machine that train it (to its end)
-      finished.update(commit=provenance.commit(), hardware=provenance.hardware())
+      finished["commit"] = provenance.commit()  # the code that trains it (to its end)
       train.train_and_evaluate(member.config, directory)
+      # and the machine (asked after training: jax.distributed starts before jax's backends)
+      finished["hardware"] = provenance.hardware()
       progress(f"{label}: evaluating")
     new_rows = extrapolation.evaluate_run(member.config, directory, progress=progress)
     _write_json(status_path, finished)
