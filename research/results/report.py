@@ -201,7 +201,7 @@ def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
        lambda: plots.lost_in_the_middle(depth_rows, metric)),
       ("tasks.png", "data.name" in keys and not data.is_language_modeling(config),
        lambda: plots.task_panels(plain, metric)),
-      ("width.png", "model.d_model" in keys, lambda: plots.width(plain, metric)),
+      ("width.png", width_table.applies(rows), lambda: plots.width(plain, metric)),
       # (MAD's sweeps draw mad_state.png instead: research.results.mad_table)
       ("accuracy_vs_state.png", not data.is_language_modeling(config)
        and not mad_table.applies(plain) and len({row.get("state_bytes") for row in plain}) > 1
