@@ -153,7 +153,8 @@ def test_the_record_names_the_commits_and_machines_that_trained_runs_from_earlie
   assert results.provenance_line(entry) == (
       "Made by `python -m experiments.results --only=toy` from commit def5678 (runs: abc1234 x2, "
       "not recorded x1) on 2026-12-05, a CPU (runs: CPU X x1, a CPU x1, not recorded x1), in "
-      "2.0 min.")
+      "2.0 min (runs kept from earlier sittings not counted).")
+  assert results.provenance_line(dict(entry, run_commits={"def5678": 3})).endswith(" in 2.0 min.")
   assert results.commit_cell(dict(entry, run_commits={"def5678": 3})) == "def5678"
   assert results.hardware_cell(dict(entry, run_hardware={"a CPU": 3})) == "a CPU"
   assert results.hardware_cell({"hardware": "a CPU"}) == "a CPU"  # entries made before

@@ -162,8 +162,12 @@ def unfinished_runs(directory):
 
 
 def provenance_line(entry):
+  """The first line of a copied file: the command, commit, date, machine and minutes; where runs
+  were kept from an earlier sitting, the minutes do not count their training."""
+  kept = "" if set(entry.get("run_commits") or {}) <= {entry["commit"]} else (
+      " (runs kept from earlier sittings not counted)")
   return (f"Made by `{entry['command']}` from commit {commit_cell(entry)} on {entry['date']}, "
-          f"{hardware_cell(entry)}, in {entry['minutes']:.1f} min.")
+          f"{hardware_cell(entry)}, in {entry['minutes']:.1f} min{kept}.")
 
 
 def block(result, source):
