@@ -307,6 +307,9 @@ def test_figures_and_summary_from_results_files(name, figures, tmp_path):
   else:
     assert "depth" not in open(os.path.join(workdir, "results.csv")).readline()
   assert "[" in summary.split("## nonoverlapping")[1]  # intervals in the main table
+  if name == "mqar":  # each member trains at its own length (64 or 128): no single one
+    assert "Trained at lengths 64, 128, each line at the one its label names." in summary
+    assert "Trained at length 64." not in summary
   if name == "mad":  # both splits in results.csv; the summary shows validation, mad.md both
     assert {row["split"] for row in rows} == {"validation", "test"}
     mad = open(os.path.join(workdir, "mad.md")).read()

@@ -138,13 +138,27 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
   table = aggregate(rows, metric)
   lows, highs = intervals(rows, metric)
   all_lengths = {length for per in table.values() for length in per}
-  # The ALiBi paper's comparison point, 8x the training length, else the longest one.
-  ratio_length = 8 * train_length if 8 * train_length in all_lengths else max(all_lengths, default=0)
-  lines = [f"# Summary: {metric} by evaluation length", "",
-           f"Trained at length {train_length}. Cells: mean +/- std over seeds (best seed) "
-           "[95% bootstrap interval over the evaluated windows or examples, averaged over seeds]. "
-           f"`ratio` is the mean at length {ratio_length} over the mean at the training length.",
-           ""]
+  # Each line's training length (a sweep over train.seq_len names it in the line's label).
+  trained = {point: max(v for per in per_length.values() for v in per)
+             for point, per_length in aggregate(rows, "train_length").items()}
+  train_lengths = sorted(set(trained.values())) or [train_length]
+  longest = max(all_lengths, default=0)
+
+  def ratio_length(length):  # the ALiBi paper's comparison point, 8x training, else the longest
+    return 8 * length if 8 * length in all_lengths else longest
+
+  if len(train_lengths) == 1:
+    trained_text = (f"Trained at length {train_lengths[0]}. Cells: mean +/- std over seeds (best "
+                    "seed) [95% bootstrap interval over the evaluated windows or examples, "
+                    f"averaged over seeds]. `ratio` is the mean at length "
+                    f"{ratio_length(train_lengths[0])} over the mean at the training length.")
+  else:
+    trained_text = (f"Trained at lengths {', '.join(map(str, train_lengths))}, each line at the "
+                    "one its label names. Cells: mean +/- std over seeds (best seed) [95% "
+                    "bootstrap interval over the evaluated windows or examples, averaged over "
+                    "seeds]. `ratio` is a line's mean at 8x its training length (else at length "
+                    f"{longest}) over its mean at its training length, where it has both.")
+  lines = [f"# Summary: {metric} by evaluation length", "", trained_text, ""]
   for mode in sorted({mode for mode, _, _ in table}):
     lengths = sorted({length for (m, _, _), per in table.items() if m == mode for length in per})
     lines += [f"## {mode}", "", "| variant | " + " | ".join(map(str, lengths)) + " | ratio |",
@@ -156,10 +170,9 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
       cells = [_summary_cell(per_length.get(length), lows.get(point, {}).get(length),
                              highs.get(point, {}).get(length), best)
                for length in lengths]
-      ratio = ""
-      if (per_length.get(train_length) and per_length.get(ratio_length)
-          and mean_std(per_length[train_length])[0]):
-        ratio = (f"{mean_std(per_length[ratio_length])[0] / mean_std(per_length[train_length])[0]:.2f}x")
+      ratio, own, far = "", trained[point], ratio_length(trained[point])
+      if far != own and per_length.get(own) and per_length.get(far) and mean_std(per_length[own])[0]:
+        ratio = f"{mean_std(per_length[far])[0] / mean_std(per_length[own])[0]:.2f}x"
       lines.append(f"| {scaled_label(variant, scaling)} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
   if depth_rows:
