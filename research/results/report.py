@@ -147,17 +147,16 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
   def ratio_length(length):  # the ALiBi paper's comparison point, 8x training, else the longest
     return 8 * length if 8 * length in all_lengths else longest
 
+  cells_text = ("Cells: mean +/- std over seeds (best seed) [95% bootstrap interval over the "
+                "evaluated windows or examples, averaged over seeds].")
   if len(train_lengths) == 1:
-    trained_text = (f"Trained at length {train_lengths[0]}. Cells: mean +/- std over seeds (best "
-                    "seed) [95% bootstrap interval over the evaluated windows or examples, "
-                    f"averaged over seeds]. `ratio` is the mean at length "
-                    f"{ratio_length(train_lengths[0])} over the mean at the training length.")
+    trained_text = (f"Trained at length {train_lengths[0]}. {cells_text} `ratio` is the mean at "
+                    f"length {ratio_length(train_lengths[0])} over the mean at the training length.")
   else:
     trained_text = (f"Trained at lengths {', '.join(map(str, train_lengths))}, each line at the "
-                    "one its label names. Cells: mean +/- std over seeds (best seed) [95% "
-                    "bootstrap interval over the evaluated windows or examples, averaged over "
-                    "seeds]. `ratio` is a line's mean at 8x its training length (else at length "
-                    f"{longest}) over its mean at its training length, where it has both.")
+                    f"one its label names. {cells_text} `ratio` is a line's mean at 8x its "
+                    f"training length (else at length {longest}) over its mean at its training "
+                    "length, where it has both.")
   lines = [f"# Summary: {metric} by evaluation length", "", trained_text, ""]
   for mode in sorted({mode for mode, _, _ in table}):
     lengths = sorted({length for (m, _, _), per in table.items() if m == mode for length in per})
