@@ -2,7 +2,8 @@
 
 18 layers of d_model 768 (GPT-2 small's width; 12 heads of 64), MLP ratio 4: 127M parameters
 (byte vocabulary, so depth stands in for GPT-2's 38M of token embeddings). bfloat16 compute,
-cuDNN attention, 16 x 2048 tokens per step on the embedded corpus.
+the attention backend `auto` (cuDNN on a GPU, Splash on a TPU), 16 x 2048 tokens per step on the
+embedded corpus.
 
   python -m experiments.train --config=configs/model_125m.py:mfu --workdir=runs/mfu_125m
       60 steps, metrics every 20: the mfu of metrics.jsonl's last line (compilation excluded).
@@ -20,7 +21,7 @@ def get_config(preset="mfu"):
   config = base.get_config()
   if preset == "mfu":
     config.model.update(dict(num_layers=18, d_model=768, num_heads=12, position="rope",
-                             compute_dtype="bfloat16", attention_backend="cudnn"))
+                             compute_dtype="bfloat16", attention_backend="auto"))
     config.train.update(dict(seq_len=2048, batch_size=16))
   else:
     config.train.update(dict(seq_len=256, batch_size=8))

@@ -14,22 +14,27 @@ The objective is the mean next-token cross-entropy over the scored tokens plus t
 losses the layers sow (a mixture of experts' load balancing; research.model.feed_forward.base); the
 logged `loss` is the cross-entropy alone, the auxiliary losses are logged beside it.
 
-Sections: 1 set-up and checks; 2 state, created sharded; 3 the step; 4 checkpoints; 5 the loop.
+Sections: 1 set-up and checks; 2-3 the state, created sharded, and the step (make_train_step,
+which experiments.compile compiles for a TPU slice too); 4 checkpoints; 5 the loop.
 """
 
 import contextlib
+import dataclasses
 import os
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from research.runs import checkpoints
 from research.training import checks
 from research import data
+from research.data import packing as data_packing
 from research.evaluation import evaluate
 from research.model import feed_forward
 from research.model import flops
@@ -115,41 +120,24 @@ def make_init_state(config, optimizer):
   return init_state
 
 
-def train_and_evaluate(config, workdir):
-  """Train `config` in `workdir` (resuming from its newest readable checkpoint); returns the final
-  state. Raises ValueError for a bad config or a workdir of another run, WorkdirBusyError if
-  another process writes there, before writing anything."""
-  # ---- 1. Set-up and checks: everything that can fail does so before any work is written.
-  initialize_distributed(config)
-  workdir = os.path.abspath(os.path.expanduser(workdir))
-  with lost_process.watchdog(workdir):
-    return _check_and_train(config, workdir)
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """The jitted training step of a config on a mesh, and the state it updates: what the loop runs
+  and what experiments.compile compiles for an accelerator, built by one function."""
+  train: Callable  # (state, batch) -> (state, metrics), donating the state
+  init_state: Callable  # () -> the initial state (jit it with out_shardings=state_shardings)
+  abstract_state: Any  # ShapeDtypeStructs (of nnx Variables) of the state
+  state_shardings: Any
+  batch_sharding: NamedSharding
+  graphdef: Any
+  schedule: Callable
 
 
-def _check_and_train(config, workdir):
-  """The checks, then sections 2-5 holding the workdir's writer lock (process 0)."""
-  mesh_shape = checks.validate_config(config, jax.device_count(), jax.process_count())
-  checks.check_writable(workdir)
-  data.prepare(config)
-  is_writer = jax.process_index() == 0
-  with workdir_lock.hold(workdir) if is_writer else contextlib.nullcontext():
-    checks.check_workdir(workdir, config)
-    if config.train.init_from and not checkpoints.steps(workdir):
-      init_from.check(config, workdir)
-    if is_writer:  # atomically: the other processes read it in check_workdir
-      with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
-        f.write(config.to_json(indent=2, sort_keys=True))
-      os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
-    return _train(config, workdir, sharding.make_mesh(mesh_shape), is_writer)
-
-
-def _train(config, workdir, mesh, is_writer):
-  """Sections 2-5, run while holding the workdir's writer lock."""
+def make_train_step(config, mesh) -> TrainStep:
+  """The training step of `config` on `mesh`: gradient accumulation over train.grad_accum_steps
+  micro-batches, then one optimizer update. The model is traced twice here (its structure, then
+  the state's shapes) and built by nothing: the caller initialises or restores the state."""
   t = config.train
-
-  # ---- 2. Train state, created directly in its sharded layout (never whole on one device).
-  # The model is traced twice here (its structure, then the state's shapes) and built once, by
-  # init_state or by restoring a checkpoint.
   abstract_model = nnx.eval_shape(
       lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(t.seed)))
   graphdef = nnx.graphdef(abstract_model)
@@ -159,7 +147,6 @@ def _train(config, workdir, mesh, is_writer):
   state_shardings = sharding.state_shardings(abstract_state, mesh)
   batch_sharding = sharding.batch_sharding(mesh)
 
-  # ---- 3. The step: gradient accumulation over micro-batches, then one optimizer update.
   def params_loss_sum(params, batch):
     return loss_sum(nnx.merge(graphdef, params), batch)
 
@@ -196,18 +183,70 @@ def _train(config, workdir, mesh, is_writer):
                                                    for p in jax.tree.leaves(params)]))}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
-  train_step = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
-                       out_shardings=(state_shardings, None), donate_argnums=0)
+  jitted = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                   out_shardings=(state_shardings, None), donate_argnums=0)
+  return TrainStep(jitted, init_state, abstract_state, state_shardings, batch_sharding, graphdef,
+                   schedule)
+
+
+def abstract_batch(config, batch_sharding) -> dict:
+  """ShapeDtypeStructs of a global training batch of `config` (research.data.train_batch's keys
+  and dtypes), laid out by `batch_sharding`: the step's input for ahead-of-time compilation."""
+  shape = (config.train.batch_size, config.train.seq_len)
+  keys = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
+  if data.is_language_modeling(config) and data_packing.documents(config):
+    keys.update(segments=jnp.int32, positions=jnp.int32)
+  return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding)
+          for key, dtype in keys.items()}
+
+
+def train_and_evaluate(config, workdir):
+  """Train `config` in `workdir` (resuming from its newest readable checkpoint); returns the final
+  state. Raises ValueError for a bad config or a workdir of another run, WorkdirBusyError if
+  another process writes there, before writing anything."""
+  # ---- 1. Set-up and checks: everything that can fail does so before any work is written.
+  initialize_distributed(config)
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  with lost_process.watchdog(workdir):
+    return _check_and_train(config, workdir)
+
+
+def _check_and_train(config, workdir):
+  """The checks, then sections 2-5 holding the workdir's writer lock (process 0)."""
+  mesh_shape = checks.validate_config(config, jax.device_count(), jax.process_count())
+  checks.check_writable(workdir)
+  data.prepare(config)
+  is_writer = jax.process_index() == 0
+  with workdir_lock.hold(workdir) if is_writer else contextlib.nullcontext():
+    checks.check_workdir(workdir, config)
+    if config.train.init_from and not checkpoints.steps(workdir):
+      init_from.check(config, workdir)
+    if is_writer:  # atomically: the other processes read it in check_workdir
+      with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
+        f.write(config.to_json(indent=2, sort_keys=True))
+      os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
+    return _train(config, workdir, sharding.make_mesh(mesh_shape), is_writer)
+
+
+def _train(config, workdir, mesh, is_writer):
+  """Sections 2-5, run while holding the workdir's writer lock."""
+  t = config.train
+
+  # ---- 2-3. Train state (created directly in its sharded layout) and the step.
+  step_fn = make_train_step(config, mesh)
+  graphdef, state_shardings = step_fn.graphdef, step_fn.state_shardings
+  batch_sharding = step_fn.batch_sharding
   eval_step = evaluate.make_eval_step(graphdef)
 
   # ---- 4. Checkpoints: restore the newest readable one, or initialise.
   manager = checkpoints.manager(workdir, t.keep_checkpoints, t.keep_checkpoints_at)
   with jax.set_mesh(mesh):
-    state = checkpoints.restore_latest(manager, sharding.sharded_abstract(abstract_state, mesh),
+    state = checkpoints.restore_latest(manager,
+                                       sharding.sharded_abstract(step_fn.abstract_state, mesh),
                                        log=print if is_writer else lambda line: None)
     initialised = state is None
     if initialised:
-      state = jax.jit(init_state, out_shardings=state_shardings)()
+      state = jax.jit(step_fn.init_state, out_shardings=state_shardings)()
       if t.init_from:  # another run's parameters; the optimizer's state is fresh either way
         params = init_from.initial_params(config, workdir, mesh,
                                           log=print if is_writer else lambda line: None)
@@ -248,7 +287,7 @@ def _train(config, workdir, mesh, is_writer):
       batch = {k: jax.make_array_from_process_local_data(batch_sharding, v,
                                                           (t.batch_size,) + v.shape[1:])
                for k, v in local.items()}
-      state, metrics = train_step(state, batch)
+      state, metrics = step_fn.train(state, batch)
       done = step + 1
       pending.append((done, metrics))
       if step == start:  # keep compilation out of the throughput numbers

@@ -44,8 +44,13 @@ Backends (what each can express, and which `auto` picks):
              Pallas (Triton on a GPU, interpret mode on a CPU): causal, packed documents,
              V == H; refuses a score modification, a window, sinks and block-sparse patterns by
              name
+  splash     research.model.attention.splash_backend: the TPU's Splash attention kernel (Pallas /
+             Mosaic; interpret mode on a CPU): causal, windows, sinks, block-sparse patterns and
+             packed documents as Splash masks; refuses a score modification, sinks in packed
+             documents and sink queries by name
   auto       cudnn where it can run the call (a GPU, bfloat16 / float16, nothing it refuses);
-             on a CPU blockwise from AUTO_BLOCKWISE_FROM (1024) tokens on, or where the
+             splash on a TPU where it can run the call;
+             on a CPU (and on a TPU where splash refuses) blockwise from AUTO_BLOCKWISE_FROM (1024) tokens on, or where the
              batch's float32 scores would exceed AUTO_BLOCKWISE_SCORES_BYTES (16 MiB: they no
              longer stay in the cache), xla below (the crossovers of the two measured fwd+bwd
              on a 2-core CPU); xla otherwise.
@@ -63,6 +68,8 @@ score modifications and masks, nearest key block first); cudnn, sliding windows 
 refused. `auto` picks between xla and blockwise as for softmax.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -71,11 +78,12 @@ import jax.numpy as jnp
 
 from research.model.attention import masks
 from research.model.attention import pallas_backend
+from research.model.attention import splash_backend
 from research.model.attention import stick_breaking_kernel
 from research.model.attention.blockwise import blockwise
 from research.model.attention.masks import CAUSAL, MaskSpec  # noqa: F401 (re-exported)
 
-BACKENDS = ("auto", "xla", "blockwise", "cudnn", "pallas")
+BACKENDS = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 # The backends that run a contextual score (ScoreMod.contextual: whole rows of logits).
 CONTEXTUAL_BACKENDS = ("auto", "xla")
 # What turns the logits into attention weights (`normaliser` of attend and probabilities).
@@ -96,6 +104,25 @@ AUTO_BLOCKWISE_FROM = 1024
 # runs in 1.71 s with blockwise against 2.28 s with xla.
 AUTO_BLOCKWISE_SCORES_BYTES = 16 * 2**20
 LARGE_NEGATIVE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax.nn.dot_product_attention
+# The platform the program being traced is compiled for: JAX's default backend, except inside
+# `compiling_for` (research.training.aot compiles for a TPU slice on a CPU host).
+_TARGET_PLATFORM = contextvars.ContextVar("target_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str):
+  """Backend choices and refusals inside this context are made for `platform` ("tpu", "gpu",
+  "cpu"), whatever JAX runs on."""
+  token = _TARGET_PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def target_platform() -> str:
+  """The platform the traced program is for (see `compiling_for`)."""
+  return _TARGET_PLATFORM.get() or jax.default_backend()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +179,17 @@ def _with_sinks(sink_queries, mask):
 
 
 def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=None,
-             platform=None, sink_queries=False, mask=None):
-  """Why `backend` cannot run a call with these properties ([] when it can)."""
-  platform = platform or jax.default_backend()
+             platform=None, sink_queries=False, mask=None, segments=False):
+  """Why `backend` cannot run a call with these properties ([] when it can); `segments`: the
+  call is in packed documents."""
+  platform = platform or target_platform()
   reasons = []
+  if backend == "splash":
+    if platform not in ("tpu", "cpu"):
+      reasons.append(f"'splash' is the TPU's kernel (Mosaic), run in interpret mode on a CPU; "
+                     f"JAX runs on {platform!r}")
+    reasons += splash_backend.refusals(score_mod=score_mod, mask=mask, segments=segments,
+                                       sink_queries=sink_queries)
   if backend == "pallas":
     if platform not in ("gpu", "cpu"):
       reasons.append(f"'pallas' is JAX's GPU (Triton) kernel, run in interpret mode on a CPU; "
@@ -191,21 +225,27 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
 
 def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=None, *,
                  score_mod=None, head_dim=None, value_dim=None, sink_queries=False,
-                 batch_heads=1):
+                 batch_heads=1, mask=None, segments=False):
   """The backend that `auto` runs for `batch_heads` (sequence, head) pairs of `length` tokens:
-  cudnn where it may run (among `backends`, and nothing in the call it refuses); on a CPU xla
-  for short sequences and small batches, blockwise from AUTO_BLOCKWISE_FROM tokens on or where
-  the float32 scores, batch_heads * length^2 * 4 bytes, reach AUTO_BLOCKWISE_SCORES_BYTES: there
-  skipping masked tiles and never writing the scores outweighs the loop's overheads; xla on
-  other devices (set blockwise there explicitly for O(length) memory)."""
-  platform = platform or jax.default_backend()
+  cudnn where it may run (among `backends`, and nothing in the call it refuses); splash on a TPU
+  where it may run; on a CPU xla for short sequences and small batches, blockwise from
+  AUTO_BLOCKWISE_FROM tokens on or where the float32 scores, batch_heads * length^2 * 4 bytes,
+  reach AUTO_BLOCKWISE_SCORES_BYTES: there skipping masked tiles and never writing the scores
+  outweighs the loop's overheads. On a TPU where splash refuses the call the same rule keeps the
+  scores out of memory (not timed there); xla on GPUs where cudnn refuses (set blockwise there
+  explicitly for O(length) memory)."""
+  platform = platform or target_platform()
   if score_mod is not None and score_mod.rowwise:
     return "xla"  # the only backend with whole rows
   if "cudnn" in backends and not refusals("cudnn", score_mod=score_mod, head_dim=head_dim,
                                           value_dim=value_dim, dtype=compute_dtype,
                                           platform=platform, sink_queries=sink_queries):
     return "cudnn"
-  if platform != "cpu":
+  if platform == "tpu" and "splash" in backends and not refusals(
+      "splash", score_mod=score_mod, platform=platform, sink_queries=sink_queries, mask=mask,
+      segments=segments):
+    return "splash"
+  if platform not in ("cpu", "tpu"):
     return "xla"
   scores_bytes = batch_heads * length * length * 4
   long = length >= AUTO_BLOCKWISE_FROM or scores_bytes >= AUTO_BLOCKWISE_SCORES_BYTES
@@ -334,17 +374,24 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
                                   mask=mask, segments_BxT=segments_BxT, backend=backend,
                                   block_size=block_size, backends=backends)
   if backend == "auto":
+    if _without_scores(score_mod, score_params, inputs):
+      score_mod = None
     backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
-                           value_dim=width, sink_queries=with_sinks, batch_heads=b * n)
-  if backend == "pallas" and _without_scores(score_mod, score_params, inputs):
+                           value_dim=width, sink_queries=with_sinks, batch_heads=b * n,
+                           mask=mask, segments=segments_BxT is not None)
+  if backend in ("pallas", "splash") and _without_scores(score_mod, score_params, inputs):
     score_mod = None
   reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width,
-                     sink_queries=with_sinks, mask=mask)
+                     sink_queries=with_sinks, mask=mask, segments=segments_BxT is not None)
   if reasons:
     raise ValueError(f"attention backend {backend!r} cannot run this call: {'; '.join(reasons)}")
   if backend == "pallas":
     return pallas_backend.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, scale=scale,
                                     segments_BxT=segments_BxT)
+  if backend == "splash":
+    return splash_backend.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, scale=scale, mask=mask,
+                                    segments_BxT=segments_BxT,
+                                    interpret=jax.default_backend() == "cpu")
   if backend == "blockwise":
     return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
                      block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,

@@ -141,7 +141,7 @@ class MultiHeadLatentAttention(base.Mixer):
   # low-rank query, so the conformance suite runs that path too.
   test_settings = {"kv_lora_rank": 16, "q_lora_rank": 16, "block_size": 8}
   position_hooks = frozenset({QK, BIAS})
-  backends = ("auto", "xla", "blockwise", "cudnn")  # not pallas: its keys are wider than values
+  backends = ("auto", "xla", "blockwise", "cudnn", "splash")  # not pallas: keys wider than values
   has_attention_weights = True
   supports_sliding_window = False
 

@@ -122,8 +122,8 @@ class SoftmaxAttention(base.Mixer):
       if reasons:
         raise ValueError(f"attention_backend 'cudnn' cannot run here: {'; '.join(reasons)}; "
                          "use 'xla' or 'blockwise'")
-    if backend == "pallas":
-      cls._check_pallas(settings, model_config)
+    if backend in ("pallas", "splash"):
+      cls._check_kernel(backend, settings, model_config)
     if settings.block_size < 1:
       raise ValueError(f"model.softmax.block_size must be >= 1, got {settings.block_size}")
     masks.check_window(settings.window, settings.sinks)
@@ -137,15 +137,18 @@ class SoftmaxAttention(base.Mixer):
                        "rolling cache, or each token's own position)")
 
   @classmethod
-  def _check_pallas(cls, settings, model_config):
-    """What the Pallas kernel cannot express (core.refusals), named before any work."""
+  def _check_kernel(cls, backend, settings, model_config):
+    """What the Pallas kernels (pallas, splash) cannot express (core.refusals), named before any
+    work (packed documents, which splash takes without sinks, are the data's: refused when
+    traced)."""
     scores = positions.REGISTRY.lookup(model_config.position).hooks() & cls.position_hooks
+    mask = cls.mask_spec(settings)
     reasons = core.refusals(
-        "pallas", mask=cls.mask_spec(settings),
-        score_mod=core.ScoreMod() if scores & {BIAS, CONTEXT} else None,
-        head_dim=cls.key_dim(model_config), value_dim=cls.value_dim(model_config))
+        backend, mask=mask, score_mod=core.ScoreMod() if scores & {BIAS, CONTEXT} else None,
+        head_dim=cls.key_dim(model_config), value_dim=cls.value_dim(model_config),
+        sink_queries=bool(mask.window and mask.sinks and settings.sink_positions == "cache"))
     if reasons:
-      raise ValueError(f"attention_backend 'pallas' cannot run model.position="
+      raise ValueError(f"attention_backend {backend!r} cannot run model.position="
                        f"{model_config.position!r} with this model: {'; '.join(reasons)}")
 
   @classmethod

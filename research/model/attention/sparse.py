@@ -212,7 +212,7 @@ class SparseAttention(softmax.SoftmaxAttention):
   test_settings = {"pattern": "fixed", "stride": 8, "summary": 4, "block_size": 4}
   predated_settings = {}
   supports_sliding_window = False  # its window is model.sparse.window, not model.softmax's
-  backends = ("auto", "xla", "blockwise", "cudnn")  # not pallas: causal only, no pattern
+  backends = ("auto", "xla", "blockwise", "cudnn", "splash")  # not pallas: causal only
 
   @classmethod
   def kv_heads(cls, model_config):

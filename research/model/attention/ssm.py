@@ -26,6 +26,7 @@ from flax import nnx
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import core
 from research.model.attention import masks
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
@@ -143,7 +144,7 @@ SCANS = {"associative": _associative_chunk, "sequential": _sequential_chunk}
 def scan_for_backend(name):
   """model.mamba.scan: "auto" is sequential on CPU and associative on accelerators."""
   if name == "auto":
-    return "sequential" if jax.default_backend() == "cpu" else "associative"
+    return "sequential" if core.target_platform() == "cpu" else "associative"
   return name
 
 
