@@ -5,7 +5,9 @@ as one line, not a traceback.
                    or value, a busy or unwritable workdir, a failed write, an unreadable
                    checkpoint, a diverged run) prints `error: <what is wrong; what is valid>` on
                    one line and exits with status 1. --verbose prints the traceback too. Any
-                   other exception is a bug and keeps its traceback.
+                   other exception is a bug and keeps its traceback. A run stopped by SIGTERM or
+                   SIGINT (research.training.preemption.Stopped) prints `stopped at step N; ...`
+                   on one line and exits with status 0 (SIGTERM) or 130 (SIGINT).
   cli.workdir_flag(help, positional=...)   --workdir, the one name of every entry point's run,
                    sweep or output directory (defined once per process, whichever entry point
                    asks first).
@@ -24,6 +26,7 @@ from absl import flags
 from research.runs import checkpoints
 from research.runs import config_fields
 from research.training import loop as train
+from research.training import preemption
 from research.runs import lock as workdir_lock
 
 _VERBOSE = flags.DEFINE_bool("verbose", False, "On an error, print its traceback too.")
@@ -163,5 +166,8 @@ def run(main):
       if _VERBOSE.value:
         raise
       _exit_with(str(e))
+    except preemption.Stopped as stopped:
+      print(stopped, file=sys.stderr, flush=True)
+      sys.exit(stopped.exit_status)
 
   app.run(main_with_user_errors, flags_parser=_parse_flags)

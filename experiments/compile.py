@@ -1,31 +1,38 @@
-"""Compile a config's training, evaluation and decode steps for a TPU slice, on this CPU host,
-and say whether each fits the slice's memory: before a pod is paid for.
+"""Compile a config's training, evaluation and decode steps for a TPU slice or NVIDIA GPUs, on
+this CPU host, and say whether each fits the devices' memory: before a pod is paid for.
 
   python -m experiments.compile --config=configs/model_125m.py:mfu --topology=v5e-8 \
       [--config.train.batch_size=64 --config.model.attention=mamba2 ...] [--steps=train]
+  python -m experiments.compile --config=configs/model_125m.py:mfu --topology=h100-8
   python -m experiments.compile --config=configs/model_125m.py:mfu --topology=v5e-8 \
-      --config.train.batch_size=64 --every_mixer --markdown=docs/accelerators/memory_125m.md
+      --config.train.batch_size=64 --every_mixer --markdown=docs/accelerators/mixers_125m.md
 
-Needs libtpu: .venv/bin/pip install -r requirements-tpu.txt (no TPU: libtpu describes the slice
-and compiles for it). The training step is the one experiments.train runs
+A TPU slice needs libtpu (.venv/bin/pip install -r requirements-tpu.txt), GPUs JAX's CUDA plugin
+and cuDNN (requirements-gpu.txt); neither needs the device: libtpu and the plugin describe it and
+compile for it. The training step is the one experiments.train runs
 (research.training.loop.make_train_step), on the config's mesh (mesh.shape, -1 filling the
-slice's devices); the evaluation step at the longest eval length with eval.batch_size rows; one
-decode step against a cache of that length. Per step: per-device argument, output and temporary
-bytes, the peak against the device's HBM with a verdict, XLA's FLOPs beside the model's, and
-the compile time; the last line is the verdict of all of them. --every_mixer compiles the
-training step of every registered mixer (model.attention) and writes the table to --markdown.
-Slices: v4-N and v5p-N count TensorCores, v5e-N and v6e-N chips (research/training/tpu_slices.py).
+devices); the evaluation step at the longest eval length with eval.batch_size rows; one decode
+step against a cache of that length. Per step: per-device argument, output and temporary bytes,
+the peak against the device's HBM with a verdict, XLA's FLOPs beside the model's (TPU only: the
+GPU compiler gives none), and the compile time; the last line is the verdict of all of them.
+--every_mixer compiles the training step of every registered mixer (model.attention; with the
+config's position scheme, or "none" where the mixer takes no rotary scheme), and where one does
+not fit, again with model.remat=dots_no_batch, then full; the table goes to --markdown.
+TPU slices: v4-N and v5p-N count TensorCores, v5e-N and v6e-N chips
+(research/training/tpu_slices.py); GPUs: research/training/gpu_targets.py.
 """
 
 import os
 
-# A CPU host compiles for the slice: JAX itself runs on the CPU (and libtpu stays quiet).
+# A CPU host compiles for the devices: JAX itself runs on the CPU (and libtpu stays quiet).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 
 from absl import flags  # noqa: E402
+from flax import nnx  # noqa: E402
 from absl import logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -33,15 +40,18 @@ from experiments import cli  # noqa: E402
 from research.model import attention  # noqa: E402
 from research.model.attention import core  # noqa: E402
 from research.model import sharding  # noqa: E402
+from research.model import transformer  # noqa: E402
 from research.runs import unread  # noqa: E402
 from research.training import aot  # noqa: E402
 from research.training import checks  # noqa: E402
+from research.training import gpu_targets  # noqa: E402
 from research.training import tpu_slices  # noqa: E402
 
 _CONFIG = cli.config_flag(config_flags.DEFINE_config_file, None,
                           "Experiment config file[:preset].", lock_config=True)
-_TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice as Cloud TPU names it: v5e-8, "
-                                "v6e-8, v4-8, v5p-8, v5e-256, ...")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "A TPU slice as Cloud TPU names it (v5e-8, "
+                                "v6e-8, v4-8, v5p-8, v5e-256, ...) or NVIDIA GPUs (h100-8, "
+                                "h200-16: hosts of 8).")
 _STEPS = flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to compile.")
 _EVERY_MIXER = flags.DEFINE_bool("every_mixer", False, "Compile the training step of every "
                                  "registered mixer (model.attention) and write --markdown.")
@@ -50,16 +60,29 @@ _JSON = flags.DEFINE_string("json", None, "Also write every step's numbers, one 
 flags.mark_flags_as_required(["config", "topology"])
 
 STEPS = ("train", "eval", "decode")
+# --every_mixer: the model.remat policies tried, in turn, for a mixer whose training step does not
+# fit at the config's own: the matrix products kept, then only each block's input.
+REMAT_FALLBACKS = ("dots_no_batch", "full")
+
+
+def _size(gib: float) -> str:
+  return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
+def _flops(row) -> str:
+  model = "" if row["model_tflops"] is None else f"model {row['model_tflops']:.3g} TFLOP"
+  if not row["xla_tflops"]:  # the GPU compiler's cost analysis gives none
+    return model or "no FLOP count"
+  ratio = (f" ({row['xla_tflops'] / row['model_tflops']:.2f}x the model's "
+           f"{row['model_tflops']:.3g})" if row["model_tflops"] else "")
+  return f"XLA {row['xla_tflops']:.3g} TFLOP{ratio}"
 
 
 def _line(row) -> str:
-  model = (f", model {row['model_tflops']:.2f} ({row['xla_tflops'] / row['model_tflops']:.2f}x)"
-           if row["model_tflops"] else "")
-  return (f"{row['step']:<7}{row['shapes']:<34}per device: arguments {row['argument_gib']:.2f} "
-          f"GiB, outputs {row['output_gib']:.2f} (aliased {row['alias_gib']:.2f}), temporaries "
-          f"{row['temp_gib']:.2f}; peak {row['peak_gib']:.2f} GiB of {row['hbm_gib']:.0f}: "
-          f"{row['verdict']}; XLA {row['xla_tflops']:.2f} TFLOP{model}; compiled in "
-          f"{row['compile_seconds']:.0f} s")
+  return (f"{row['step']:<7}{row['shapes']:<34}per device: arguments {_size(row['argument_gib'])}, "
+          f"outputs {_size(row['output_gib'])} (aliased {_size(row['alias_gib'])}), temporaries "
+          f"{_size(row['temp_gib'])}; peak {_size(row['peak_gib'])} of {row['hbm_gib']:.0f} GiB: "
+          f"{row['verdict']}; {_flops(row)}; compiled in {row['compile_seconds']:.0f} s")
 
 
 def _verdict(rows) -> str:
@@ -80,57 +103,88 @@ def _check(config, num_devices):
   return sharding.mesh_shape(config.mesh.shape, num_devices)
 
 
+def _mixer_config(base_config, overrides, name):
+  """`base_config` with model.attention=`name`, and the base's position scheme where the mixer
+  honours it, else "none" (recurrent mixers take no rotary scheme): (config, position)."""
+  config = base_config.copy_and_resolve_references()
+  config.model.attention = name
+  mixer = attention.REGISTRY.lookup(name)
+  if config.model.position not in transformer.compatible_positions(mixer):
+    config.model.position = "none"
+  changed = {"model.attention": name, "model.position": config.model.position}
+  return _config(config, dict(overrides, **changed)), config.model.position
+
+
 def _mixer_table(base_config, overrides, devices, hbm, log) -> list[str]:
-  """One row per registered mixer: the training step's memory, or why it was not compiled."""
-  lines = [f"| mixer | parameters | arguments GiB | temporaries GiB | peak GiB of {hbm / 2**30:.0f} "
-           "| verdict | XLA / model FLOPs | compile s |", "|---|---|---|---|---|---|---|---|"]
+  """One row per registered mixer: the training step's memory at the config's model.remat, and
+  where that does not fit, the first of REMAT_FALLBACKS that does; or why it was not compiled."""
+  lines = [f"| mixer | position | parameters | remat | arguments GiB | temporaries GiB | peak GiB "
+           f"of {hbm / 2**30:.0f} | verdict | XLA / model FLOPs | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for name in attention.REGISTRY:
     try:
-      config = _config(base_config, dict(overrides, **{"model.attention": name}))
+      config, position = _mixer_config(base_config, overrides, name)
       mesh = sharding.make_mesh(_check(config, len(devices)), devices)
-      step, = aot.compile_steps(config, mesh, steps=("train",))
+      policies = [config.model.remat] + [p for p in REMAT_FALLBACKS if p != config.model.remat]
+      for policy in policies:
+        config.model.remat = policy
+        step, = aot.compile_steps(config, mesh, steps=("train",))
+        row = aot.summary(step, hbm)
+        log(f"{name} ({position}, remat {policy}): {_line(row)}")
+        ratio = f"{row['xla_tflops'] / row['model_tflops']:.2f}" if row["model_tflops"] else ""
+        lines.append(f"| {name} | {position} | {config_params(config) / 1e6:.1f}M | {policy} | "
+                     f"{row['argument_gib']:.2f} | {row['temp_gib']:.2f} | "
+                     f"{row['peak_gib']:.2f} | {row['verdict']} | {ratio} | "
+                     f"{row['compile_seconds']:.0f} |")
+        if row["fits"]:
+          break
     except Exception as e:  # noqa: BLE001 (a mixer that cannot run this preset: its reason)
       reason = " ".join(str(e).split())[:160]
-      lines.append(f"| {name} | | | | | not compiled: {reason} | | |")
+      lines.append(f"| {name} | | | | | | | not compiled: {reason} | | |")
       log(f"{name}: not compiled: {reason}")
-      continue
-    row = aot.summary(step, hbm)
-    params = config_params(config)
-    ratio = f"{row['xla_tflops'] / row['model_tflops']:.2f}" if row["model_tflops"] else ""
-    lines.append(f"| {name} | {params / 1e6:.1f}M | {row['argument_gib']:.2f} | "
-                 f"{row['temp_gib']:.2f} | {row['peak_gib']:.2f} | {row['verdict']} | {ratio} | "
-                 f"{row['compile_seconds']:.0f} |")
-    log(f"{name}: {_line(row)}")
   return lines
 
 
 def config_params(config) -> int:
-  from flax import nnx  # noqa: PLC0415
-  from research.model import transformer  # noqa: PLC0415
   model = nnx.eval_shape(lambda: transformer.build_model(config.model, rngs=nnx.Rngs(0)))
   return transformer.count_params(model)
+
+
+def _target(topology):
+  """(description, devices, HBM bytes per device, platform) of a TPU slice or GPU target."""
+  if re.match(r"h\d00-", topology):
+    target = gpu_targets.parse(topology)
+    devices = gpu_targets.devices(target)
+    return (f"{target.name} ({target.hosts} host(s) of {target.devices_per_host})", devices,
+            gpu_targets.hbm_bytes(target), "gpu")
+  try:
+    tpu_slice = tpu_slices.parse(topology)
+  except ValueError as e:
+    raise ValueError(f"{e}; or GPUs: h100-N, h200-N (N = 1, 2, 4, 8, 16, ...)") from None
+  devices = tpu_slices.devices(tpu_slice)
+  return (f"{tpu_slice.name} ({tpu_slice.topology})", devices, tpu_slices.hbm_bytes(devices[0]),
+          "tpu")
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  with core.compiling_for("tpu"):  # the config's backends are checked for the slice, not here
-    _compile(_TOPOLOGY.value)
-
-
-def _compile(topology):
   unknown = [step for step in _STEPS.value if step not in STEPS]
   if unknown:
     raise ValueError(f"--steps has {', '.join(unknown)}; valid: {', '.join(STEPS)}")
   if _EVERY_MIXER.value and not _MARKDOWN.value:
     raise ValueError("--every_mixer writes its table to --markdown=FILE; give one")
-  tpu_slice = tpu_slices.parse(topology)
+  description, devices, hbm, platform = _target(_TOPOLOGY.value)
+  # The config's backends are chosen and checked for the target, not for this host.
+  with core.compiling_for(platform):
+    _compile(description, devices, hbm)
+
+
+def _compile(description, devices, hbm):
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
   config = _config(_CONFIG.value, overrides)
-  devices = tpu_slices.devices(tpu_slice)
-  hbm = tpu_slices.hbm_bytes(devices[0])
   shape = _check(config, len(devices))  # before anything compiles
-  print(f"{tpu_slice.name} ({tpu_slice.topology}): {len(devices)} x {devices[0].device_kind}, "
+  print(f"{description}: {len(devices)} x {devices[0].device_kind}, "
         f"{hbm / 2**30:.0f} GiB HBM each; mesh (data, fsdp, tensor) = {shape}; "
         f"{config_params(config) / 1e6:.1f}M parameters, {config.model.compute_dtype}", flush=True)
   if _EVERY_MIXER.value:
@@ -147,7 +201,7 @@ def _compile(topology):
     print(_line(rows[-1]), flush=True)
   if _JSON.value:
     with open(_JSON.value, "w") as f:
-      f.writelines(json.dumps(dict(row, topology=tpu_slice.name)) + "\n" for row in rows)
+      f.writelines(json.dumps(dict(row, topology=_TOPOLOGY.value)) + "\n" for row in rows)
   print(_verdict(rows))
 
 

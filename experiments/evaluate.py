@@ -7,14 +7,16 @@ from its newest readable checkpoint, without retraining; then redraw its results
       --config.eval.sliding_stride=64
 
 The run's own config.json gives everything else. Only evaluation settings may be changed: the
-eval.* fields, and model.rope.scaling=NAME (or model.xpos / model.prope), which evaluates
-that scaling as
+eval.* fields, mesh.shape (the layout on the devices present, not a setting of the run), and
+model.rope.scaling=NAME (or model.xpos / model.prope), which evaluates that scaling as
 --config.eval.rope_scalings='("NAME",)' does (factor eval length / train.seq_len, as
 research.evaluation.extrapolation applies it). Each evaluation is a
 row of RUN/eval.json keyed by the checkpoint step and its settings, appended (settings evaluated
 before are not recomputed, nothing is overwritten); results.csv, summary.md and the figures are
 then redrawn in --workdir. A partially trained run is evaluated at its newest complete checkpoint,
-also while it trains (docs/evaluation.md).
+also while it trains (docs/evaluation.md). Without --config.mesh.shape a run evaluates on its
+own mesh where that fits the devices present, else on one that does, with a line saying which
+(research.model.sharding.fitting_mesh_shape): a run trained on 8 devices evaluates on 1.
 """
 
 import jax
@@ -28,28 +30,34 @@ from research.runs import checkpoints
 from research.training import checks
 from research.runs import config_fields
 from research.evaluation import extrapolation
+from research.model import sharding
 from research.runs import lock as workdir_lock
 from research.results import report
 from research.runs import workdirs
 
 _CONFIG = cli.config_flag(config_flags.DEFINE_config_dict, base.get_config(),
-                          "Evaluation settings to change: eval.*, model.rope.scaling.")
+                          "Evaluation settings to change: eval.*, mesh.shape, "
+                          "model.rope.scaling.")
 _WORKDIR = cli.workdir_flag("A run directory (config.json) or a sweep "
                             "directory (sweep.json).")
 flags.mark_flags_as_required(["workdir"])
 
 ROPE_SCALINGS = tuple(f for f in config_fields.ROTARY_SCALING_FIELDS if f.endswith(".scaling"))
+LAYOUT = ("mesh.shape",)  # how the evaluation is laid out on the devices, not what it computes
 
 
 def evaluation_settings(overrides: dict) -> dict:
-  """The overridden fields as eval.* settings; ValueError for a field that changes training."""
-  not_evaluation = sorted(name for name in overrides
-                          if not name.startswith("eval.") and name not in ROPE_SCALINGS)
+  """The overridden fields as eval.* and mesh.shape settings; ValueError for a field that changes
+  training."""
+  not_evaluation = sorted(name for name in overrides if not name.startswith("eval.")
+                          and name not in ROPE_SCALINGS + LAYOUT)
   if not_evaluation:
     raise ValueError(
-        f"experiments.evaluate changes evaluation settings only (eval.*, {', '.join(ROPE_SCALINGS)}"
-        f"), not {', '.join(not_evaluation)}; train with those values in a new --workdir instead")
-  settings = {name: value for name, value in overrides.items() if name.startswith("eval.")}
+        f"experiments.evaluate changes evaluation settings only (eval.*, {', '.join(LAYOUT)}, "
+        f"{', '.join(ROPE_SCALINGS)}), not {', '.join(not_evaluation)}; train with those values "
+        "in a new --workdir instead")
+  settings = {name: value for name, value in overrides.items()
+              if name.startswith("eval.") or name in LAYOUT}
   asked = [overrides[name] for name in ROPE_SCALINGS if overrides.get(name, "none") != "none"]
   if asked:
     scalings = settings.get("eval.rope_scalings", ())
@@ -69,6 +77,11 @@ def main(argv):
   for run in runs:  # every check before any evaluation
     config = config_fields.load_saved(run.directory)
     config.update_from_flattened_dict(settings)
+    if "mesh.shape" not in settings:  # the run's own mesh, or one that fits these devices
+      config.mesh.shape, note = sharding.fitting_mesh_shape(
+          config.mesh.shape, jax.device_count(), config.eval.batch_size)
+      if note:
+        print(f"{run.name}: {note}", flush=True)
     checks.validate_config(config, jax.device_count(), training=False)
     configs.append(config)
   for run, config in zip(runs, configs):

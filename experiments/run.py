@@ -9,9 +9,12 @@
 Rerunning the same command does only what is not done (finished runs are kept, and evaluated
 at eval settings they have no results for; interrupted ones resume from their checkpoints;
 failed ones are retried). A user error prints one line (--verbose: with its traceback).
+SIGTERM or SIGINT stops the sweep, each member that was training at a checkpoint of its own,
+with one line and status 0 (SIGTERM) or 130 (SIGINT): research.training.preemption.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ from experiments import cli
 from research.model import flops
 from research.results import report
 from research.results import sweep
+from research.training import preemption
 
 _CONFIG = cli.config_flag(config_flags.DEFINE_config_file, None,
                           "Experiment config file[:preset].", lock_config=True)
@@ -46,17 +50,28 @@ def _config_path_and_preset():
 def _run_in_subprocesses(members, parallel, child_env):
   """Each member as `--sweep_index=i` in its own process, `parallel` at a time; a member that
   starts from another member's parameters (train.init_from) starts once that one has ended. A
-  child that dies without recording a status is reported as missing by the collect step."""
+  child that dies without recording a status is reported as missing by the collect step.
+
+  SIGTERM or SIGINT starts no more members and reaches the running ones as SIGTERM: each stops
+  at a checkpoint (research.training.preemption; one that the signal reached already, as Ctrl-C
+  reaches a terminal's whole process group, ignores the second). A scheduler may signal this
+  process alone. Returns that signal, once they have ended; None when every member ran."""
   base_args = [a for a in sys.argv[1:] if not a.startswith(("--parallel", "--sweep_index"))]
-  queue, running = list(members), []
-  while queue or running:
-    for member in sweep.ready_to_start(queue, [m for m, _ in running], parallel):
-      queue.remove(member)
-      running.append((member, subprocess.Popen(
-          [sys.executable, "-m", "experiments.run", *base_args, f"--sweep_index={member.index}"],
-          env=child_env)))
-    time.sleep(1)
-    running = [(m, p) for m, p in running if p.poll() is None]
+  queue, running, passed_on = list(members), [], False
+  with preemption.Stop() as stop:
+    while queue or running:
+      if stop.signal is not None and not passed_on:
+        queue, passed_on = [], True
+        for _, process in running:
+          process.send_signal(signal.SIGTERM)
+      for member in sweep.ready_to_start(queue, [m for m, _ in running], parallel):
+        queue.remove(member)
+        running.append((member, subprocess.Popen(
+            [sys.executable, "-m", "experiments.run", *base_args,
+             f"--sweep_index={member.index}"], env=child_env)))
+      time.sleep(1)
+      running = [(m, p) for m, p in running if p.poll() is None]
+  return stop.signal
 
 
 def main(argv):
@@ -86,7 +101,11 @@ def main(argv):
         sweep.run_member(workdir, member)
     if _PARALLEL.value > 1:
       child_env = sweep.members_environment(environ, _PARALLEL.value, flops.total_peak_flops)
-      _run_in_subprocesses(pending, _PARALLEL.value, child_env)
+      signum = _run_in_subprocesses(pending, _PARALLEL.value, child_env)
+      if signum is not None:
+        print("stopped; the members that were training saved a checkpoint each; rerun the same "
+              "command to resume", file=sys.stderr, flush=True)
+        sys.exit(preemption.exit_status(signum))
     else:
       for member in pending:
         sweep.run_member(workdir, member)

@@ -42,8 +42,12 @@ def get_config():
   m.norm = "rms_norm"  # research.model.norms.REGISTRY: rms_norm | layer_norm (model.<norm>)
   m.tie_embeddings = False  # the output head is the embedding table transposed (GPT-2, Llama 3.2)
   # the attention core's backend: auto (by length and device) | xla | blockwise | cudnn | pallas
+  # | splash
   m.attention_backend = "auto"
   m.compute_dtype = "float32"  # parameters stay float32; bfloat16 on GPU/TPU
+  # what each block keeps for the backward pass: none | full | dots | dots_no_batch
+  # (research.model.transformer.REMAT_POLICIES): memory for recomputation, the same numbers
+  m.remat = "none"
   m.randomize_max_length = 0  # > 0: randomized positions in [0, M) in training (arXiv:2305.16843)
   # Each registered mixer, position scheme and feed-forward declares its own hyperparameters;
   # they appear here as sub-dicts under their names, e.g. model.rope.scaling, model.fire.hidden,

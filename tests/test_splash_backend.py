@@ -52,7 +52,8 @@ def _vjp(backend, q, k, v, mask, segments):
 def test_splash_equals_xla_forward_and_backward(case):
   mask, segments = CASES[case]
   # GQA: 4 query heads on 2 key/value heads; values wider than keys (12 > 8).
-  q, k, v = _normal(0, (2, LENGTH, 4, 8)), _normal(1, (2, LENGTH, 2, 8)), _normal(2, (2, LENGTH, 2, 12))
+  q, k = _normal(0, (2, LENGTH, 4, 8)), _normal(1, (2, LENGTH, 2, 8))
+  v = _normal(2, (2, LENGTH, 2, 12))
   d_out = _normal(3, (2, LENGTH, 4, 12))
   (splash, splash_pullback), (xla, xla_pullback) = (
       _vjp(backend, q, k, v, mask, segments) for backend in ("splash", "xla"))
@@ -68,7 +69,7 @@ def test_splash_equals_xla_forward_and_backward(case):
 
 def test_splash_under_a_mesh_of_8_devices_equals_one_device():
   """Batch over data x fsdp and heads over tensor, each device's part through shard_map."""
-  q, k, v = _normal(0, (4, LENGTH, 4, 8)), _normal(1, (4, LENGTH, 2, 8)), _normal(2, (4, LENGTH, 2, 8))
+  q, k, v = (_normal(seed, (4, LENGTH, heads, 8)) for seed, heads in ((0, 4), (1, 2), (2, 2)))
   mask = masks.MaskSpec(window=33)
   single = core.attend(q, k, v, backend="splash", mask=mask)
   mesh = sharding.make_mesh((2, 2, 2))
@@ -122,3 +123,14 @@ def test_the_core_refuses_sinks_in_packed_documents_and_a_bias_by_name():
   with pytest.raises(ValueError, match="'splash' takes no score modification"):
     core.attend(q, q, q, backend="splash",
                 score_mod=core.ScoreMod(bias=lambda p, qi, ki: jnp.zeros((1, 1, 8, 8))))
+
+
+def test_half_precision_under_a_float32_matmul_precision_is_refused_by_name():
+  """The suite runs with jax_default_matmul_precision='highest' (tests/conftest.py): Mosaic
+  cannot give bfloat16 blocks float32 passes, so splash says so instead of failing to compile."""
+  with jax.default_matmul_precision("highest"):
+    reasons = core.refusals("splash", dtype=jnp.bfloat16, platform="tpu")
+    assert any("cannot take the float32 matmul passes" in reason for reason in reasons), reasons
+    assert not core.refusals("splash", dtype=jnp.float32, platform="tpu")
+  with jax.default_matmul_precision("default"):
+    assert not core.refusals("splash", dtype=jnp.bfloat16, platform="tpu")

@@ -16,7 +16,10 @@ mode (exact answers).
 at the settings that its RUN/eval.json has no row for yet and appends their rows
 (research.evaluation.results); it never retrains. It takes no writer lock and writes nothing but
 its rows (under the run's results lock), so it runs beside the run's trainer, which goes on
-writing and rotating checkpoints, and beside other evaluators.
+writing and rotating checkpoints, and beside other evaluators. It evaluates on config.mesh.shape
+where that fits the devices present, else on a mesh that does
+(research.model.sharding.fitting_mesh_shape, with a line saying which): a run trained on 8
+devices evaluates on 1, to the same losses.
 """
 
 import copy
@@ -101,12 +104,17 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
                  ) -> list[dict]:
   """Evaluate the run in `workdir` at every eval length x mode x RoPE scaling (x needle depth) of
   `config` not in its eval.json yet, from its newest readable complete checkpoint (while the run
-  trains too); appends and returns the new rows (those another evaluator appended meanwhile are
-  left out)."""
+  trains too), on config.mesh.shape or, where that does not fit the devices present, a mesh that
+  does (sharding.fitting_mesh_shape, noted through `progress`); appends and returns the new rows
+  (those another evaluator appended meanwhile are left out)."""
   saved_steps = checkpoints.steps(workdir)
   if saved_steps and not _to_do(config, workdir, saved_steps[-1]):
     return []
-  mesh = sharding.make_mesh(sharding.mesh_shape(config.mesh.shape, jax.device_count()))
+  shape, note = sharding.fitting_mesh_shape(config.mesh.shape, jax.device_count(),
+                                            config.eval.batch_size)
+  if note:
+    progress(note)
+  mesh = sharding.make_mesh(shape)
   rows = []
   with jax.set_mesh(mesh):
     abstract = nnx.state(nnx.eval_shape(

@@ -57,6 +57,31 @@ def mesh_shape(shape, num_devices):
   return shape
 
 
+def fitting_mesh_shape(shape, num_devices, batch_size):
+  """(mesh shape, note) for reading a saved run on the devices present: its own `shape`, resolved,
+  with note None where it fits (uses all `num_devices` devices, and a batch of `batch_size` rows
+  splits evenly over data*fsdp); else (d, 1, num_devices // d) with d = gcd(num_devices,
+  batch_size), as much data parallelism as the batch splits into and the other devices on
+  `tensor` (which shards what divides and replicates the rest), with a one-line note saying which
+  mesh and why. A run trained on 8 devices is so evaluated on 1: the mesh is a layout, not a
+  setting of the run, and a checkpoint restores into any (research.runs.checkpoints)."""
+  try:
+    resolved = mesh_shape(shape, num_devices)
+  except ValueError:
+    problem = f"does not fit {num_devices} device{'s' * (num_devices > 1)}"
+  else:
+    if batch_size % (resolved[0] * resolved[1]) == 0:
+      return resolved, None
+    problem = (f"splits the batch of {batch_size} rows unevenly (data*fsdp="
+               f"{resolved[0] * resolved[1]})")
+  data = math.gcd(num_devices, batch_size)
+  fitting = (data, 1, num_devices // data)
+  return fitting, (f"mesh {fitting} (data, fsdp, tensor) instead of the run's mesh.shape="
+                   f"{tuple(shape)}, which {problem}: data={data} (the most devices that split "
+                   f"the batch of {batch_size} evenly), tensor the rest; --config.mesh.shape sets "
+                   "another")
+
+
 def make_mesh(shape, devices=None):
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(shape, len(devices))

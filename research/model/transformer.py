@@ -42,6 +42,19 @@ from research.model import positions as positions_lib
 from research.model import sharding
 
 
+# model.remat: what each block keeps for the backward pass (jax.checkpoint policies, as MaxText's
+# remat_policy): "none" every activation its operations save; "full" only the block's input, the
+# rest recomputed in the backward pass (one more forward of the block); "dots" the outputs of its
+# matrix products; "dots_no_batch" those without batch dimensions (the projections by weights,
+# not attention's q k^T). The same numbers either way; memory for compute.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
 class IncompatibleError(ValueError):
   """A valid attention type and position scheme that do not go together (sweeps skip these)."""
 
@@ -104,6 +117,9 @@ def validate(model_config):
   field = "model.layer_pattern" if model_config.layer_pattern else "model.attention"
   mixers = {name: attention.REGISTRY.lookup(name, field) for name in types}
   nn.compute_dtype(model_config)
+  if model_config.get("remat", "none") not in REMAT_POLICIES:
+    raise ValueError(f"unknown model.remat {model_config.remat!r}; valid: "
+                     f"{', '.join(REMAT_POLICIES)}")
   d, heads = model_config.d_model, model_config.num_heads
   if d < 1 or heads < 1 or d % heads:
     raise ValueError(f"d_model={d} is not divisible by num_heads={heads}; valid num_heads: "
@@ -209,6 +225,7 @@ class LanguageModel(nnx.Module):
     d, dtype = model_config.d_model, nn.compute_dtype(model_config)
     self.dtype = dtype
     self.randomize_max_length = int(model_config.randomize_max_length)
+    self.remat = str(model_config.get("remat", "none"))
     scheme = positions_lib.REGISTRY.lookup(model_config.position)
     geometries = position_geometries(model_config)
     shared = {}  # a scheme shared across layers: one per geometry, the layer index aside
@@ -285,8 +302,10 @@ class LanguageModel(nnx.Module):
     evaluation scores long windows from them a chunk of positions at a time."""
     positions_BxL = self._positions(tokens_BxL, positions_BxL, segments_BxL)
     x, carry = self._embed(tokens_BxL, positions_BxL), {}
+    run = _run_block if self.remat == "none" else nnx.remat(
+        _run_block, policy=REMAT_POLICIES[self.remat])
     for block in self.blocks:
-      x, carry = block(x, positions_BxL, segments_BxL, carry)
+      x, carry = run(block, x, positions_BxL, segments_BxL, carry)
     return self.final_norm(x)
 
   @staticmethod
@@ -405,6 +424,11 @@ def document_decoders():
   """The registered mixers whose decode takes packed documents at their default settings."""
   return [name for name, cls in attention.REGISTRY.items()
           if not cls.document_decode_refusal(cls.hyperparameters)]
+
+
+def _run_block(block, x_BxLxD, positions_BxL, segments_BxL, carry):
+  """A block's forward (the unit model.remat rematerialises)."""
+  return block(x_BxLxD, positions_BxL, segments_BxL, carry)
 
 
 def apply_to_batch(model, batch: dict):

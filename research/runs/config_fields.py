@@ -42,7 +42,8 @@ EVALUATION_FIELDS = ("eval",) + ROTARY_SCALING_FIELDS
 EXECUTION_FIELDS = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                     "train.keep_checkpoints_at",
                     "train.eval_every", "train.eval_batches", "train.tensorboard", "mesh",
-                    "distributed", "data.dir", "model.attention_backend", "model.moe.dispatch")
+                    "distributed", "data.dir", "model.attention_backend", "model.moe.dispatch",
+                    "model.remat")
 
 
 def _within(name: str, prefixes: tuple[str, ...]) -> bool:

@@ -48,6 +48,20 @@ class CompiledStep:
     return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
+def described_devices(platform: str, what: str, needs: str, requirements: str,
+                      **options) -> list:
+  """The devices of jax.experimental.topologies' description of a `platform` topology (no device
+  needed, only its compiler: `needs`, from `requirements`); ValueError naming them when missing."""
+  try:
+    from jax.experimental import topologies  # noqa: PLC0415
+    topology = topologies.get_topology_desc(platform=platform, **options)
+  except Exception as e:  # noqa: BLE001 (a missing compiler surfaces as several error types)
+    raise ValueError(f"cannot describe {what} without {needs}: install {requirements} "
+                     f"(.venv/bin/pip install -r {requirements}); {type(e).__name__}: "
+                     f"{str(e).splitlines()[0][:200]}") from e
+  return list(topology.devices)
+
+
 def _compile(name, shapes, jitted, args, num_devices, model_flops=None) -> CompiledStep:
   start = time.perf_counter()
   compiled = jitted.lower(*args).compile()
@@ -121,12 +135,12 @@ def summary(step: CompiledStep, hbm_bytes: int) -> dict[str, Any]:
   """The step's numbers for a table or a JSON line, with the verdict against `hbm_bytes`."""
   gib = 2**30
   fits = step.peak_bytes <= hbm_bytes
+  needs = f"does not fit (needs {step.peak_bytes / gib:.1f} GiB of {hbm_bytes / gib:.0f})"
   return {"step": step.name, "shapes": step.shapes, "argument_gib": step.argument_bytes / gib,
           "output_gib": step.output_bytes / gib, "alias_gib": step.alias_bytes / gib,
           "temp_gib": step.temp_bytes / gib, "peak_gib": step.peak_bytes / gib,
           "hbm_gib": hbm_bytes / gib, "fits": fits,
-          "verdict": "fits" if fits else
-                     f"does not fit (needs {step.peak_bytes / gib:.1f} GiB of {hbm_bytes / gib:.0f})",
+          "verdict": "fits" if fits else needs,
           "xla_tflops": step.xla_flops / 1e12,
           "model_tflops": None if step.model_flops is None else step.model_flops / 1e12,
           "compile_seconds": step.compile_seconds}

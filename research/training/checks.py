@@ -86,7 +86,9 @@ def validate_config(config, num_devices, process_count=1, *, unread_settings=Non
   `unread_settings`: research.runs.unread.unread_settings(config), and `flat`:
   defaults.flatten(config), where the caller has them; `memo`: where configs validated together
   share model sections (ModelMemo). training=False checks a saved run's config for evaluation:
-  train.num_steps may be 0 there (an imported checkpoint's run, research/pretrained)."""
+  train.num_steps may be 0 there (an imported checkpoint's run, research/pretrained), and the
+  mesh need not split train.batch_size (the run may be read on other devices than it trained
+  on)."""
   memo = memo or _UNMEMOISED
   check_fields(config, flat)
   memo.run(model_lib.validate, config.model)
@@ -116,12 +118,13 @@ def validate_config(config, num_devices, process_count=1, *, unread_settings=Non
   shape = sharding.mesh_shape(config.mesh.shape, num_devices)
   batch_parallel = shape[0] * shape[1]
   micro_batch, remainder = divmod(t.batch_size, t.grad_accum_steps)
-  if remainder or micro_batch % batch_parallel:
+  # Evaluation runs no training batch: a run evaluates on a mesh that may not split it.
+  if training and (remainder or micro_batch % batch_parallel):
     raise ValueError(
         f"train.batch_size={t.batch_size} / grad_accum_steps={t.grad_accum_steps} must be a "
         f"whole multiple of the data-parallel size data*fsdp={batch_parallel} (mesh {shape}); "
         f"valid batch sizes are multiples of {batch_parallel * t.grad_accum_steps}")
-  if t.batch_size % process_count:
+  if training and t.batch_size % process_count:
     raise ValueError(f"train.batch_size={t.batch_size} must be divisible by the number of "
                      f"processes ({process_count})")
   if t.eval_every and t.eval_every % t.log_every:
@@ -147,8 +150,9 @@ def validate_config(config, num_devices, process_count=1, *, unread_settings=Non
 
 def check_workdir(workdir, config: ml_collections.ConfigDict):
   """The workdir must be writable and, if it holds a checkpointed run, one that trains the same
-  as `config` (research.runs.config_fields: evaluation settings, new fields at their defaults and
-  the like may differ). A run without a checkpoint may restart with any config. Creates nothing."""
+  as `config` (research.runs.config_fields: evaluation settings, the mesh, new fields at their
+  defaults and the like may differ: a checkpoint restores into any mesh). A run without a
+  checkpoint may restart with any config. Creates nothing."""
   check_writable(workdir)
   saved_path = os.path.join(workdir, "config.json")
   if not os.path.exists(saved_path) or not checkpoints.steps(workdir):

@@ -9,6 +9,8 @@ resume by rerunning the same command (the batch of step s is a pure function of 
 process, so resuming needs no data state). One writer per workdir (research.runs.lock). Runs
 unchanged on CPU, GPU or TPU, one process or many (jax.distributed); in a run of many processes
 a watchdog (research.training.lost_process) stops every process with one line when one is lost.
+SIGTERM (preemption) or SIGINT stops every process at the end of one step, with a checkpoint of
+it (research.training.preemption).
 
 The objective is the mean next-token cross-entropy over the scored tokens plus the auxiliary
 losses the layers sow (a mixture of experts' load balancing; research.model.feed_forward.base); the
@@ -40,6 +42,7 @@ from research.model import feed_forward
 from research.model import flops
 from research.training import init_from
 from research.training import lost_process
+from research.training import preemption
 from research.model import transformer as model_lib
 from research.model import sharding
 from research.runs import lock as workdir_lock
@@ -281,7 +284,9 @@ def _train(config, workdir, mesh, is_writer):
     pending.clear()
 
   window_start, window_steps = time.perf_counter(), 0
-  with jax.set_mesh(mesh):
+  done = start  # the last step trained
+  # SIGTERM or SIGINT: finish the step, checkpoint it, and stop (research.training.preemption).
+  with jax.set_mesh(mesh), preemption.on_signals() as stop:
     for step in range(start, t.num_steps):
       local = data.train_batch(config, step, jax.process_index(), jax.process_count())
       batch = {k: jax.make_array_from_process_local_data(batch_sharding, v,
@@ -289,6 +294,7 @@ def _train(config, workdir, mesh, is_writer):
                for k, v in local.items()}
       state, metrics = step_fn.train(state, batch)
       done = step + 1
+      stopping = stop.at(done, metrics)
       pending.append((done, metrics))
       if step == start:  # keep compilation out of the throughput numbers
         jax.block_until_ready(metrics)
@@ -296,7 +302,8 @@ def _train(config, workdir, mesh, is_writer):
         window_start = time.perf_counter()
       else:
         window_steps += 1
-      if done % t.checkpoint_every == 0 or done == t.num_steps or done in t.keep_checkpoints_at:
+      if (done % t.checkpoint_every == 0 or done == t.num_steps or done in t.keep_checkpoints_at
+          or stopping):
         check_finite()
         checkpoints.save(manager, done, state)
       if done % t.log_every == 0 or done == t.num_steps:
@@ -319,7 +326,10 @@ def _train(config, workdir, mesh, is_writer):
         writer.write(record, eta_seconds=(t.num_steps - done) * elapsed / window_steps,
                      num_steps=t.num_steps)
         window_start, window_steps = time.perf_counter(), 0
-  checkpoints.wait(manager)
-  manager.close()
-  writer.close()
+      if stopping:
+        break
+    checkpoints.wait(manager)
+    manager.close()
+    writer.close()
+    stop.raise_if_stopped(done)
   return state

@@ -15,6 +15,7 @@ import time
 import jax
 
 from research.runs import checkpoints
+from research.training import preemption
 
 
 class LostProcessError(ConnectionError):
@@ -46,10 +47,12 @@ class Watchdog:
   mark this process failed and exit with status 1 (os._exit: JAX's shutdown would wait for the
   lost peer). A peer marked failed has printed its own error: the others stop too, naming it.
 
-  An error in this process first waits for the verdict on its peers (each alive, done, failed
-  or lost; a lost peer explains the error better, and replaces it), then marks this process
-  failed; once the main thread has finished (its error printed), the process exits without
-  waiting for its other threads or JAX's shutdown barrier. Process 0 holds the coordination
+  A stop on a signal (research.training.preemption.Stopped, raised by every process at the same
+  step) ends the run as its end does: this process is marked done. An error in this process
+  first waits for the verdict on its peers (each alive, done, failed or lost; a lost peer
+  explains the error better, and replaces it), then marks this process failed; once the main
+  thread has finished (its error printed), the process exits without waiting for its other
+  threads or JAX's shutdown barrier. Process 0 holds the coordination
   service, whose end makes JAX abort every process still connected to it: before it exits, it
   waits (at most `timeout`) until every other process is marked done or failed, or is lost.
   """
@@ -76,7 +79,7 @@ class Watchdog:
     return self
 
   def __exit__(self, kind, error, traceback):
-    if kind is None:
+    if kind is None or issubclass(kind, preemption.Stopped):  # every process stopped at a step
       self.stopped.set()
       self.thread.join()
       with contextlib.suppress(Exception):  # the coordination service may be gone with process 0

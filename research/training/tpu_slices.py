@@ -17,6 +17,8 @@ import math
 import os
 import re
 
+from research.training import aot
+
 # Per chip: (TensorCores, HBM in GiB, datasheet), for the device kinds libtpu reports.
 CHIPS = {
     "TPU v4": (2, 32),
@@ -32,10 +34,12 @@ GENERATIONS = {
     "v5litepod": ("v5e", 2, False),
     "v6e": ("v6e", 2, False),
 }
-# Set on a CPU host before libtpu starts: without them it prints five lines of warnings about the
-# TPU VM it cannot find (the compilation does not need one).
-QUIET_LIBTPU = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
-                "TPU_WORKER_HOSTNAMES": "localhost"}
+# Set on a CPU host before libtpu starts: without the first three it prints five lines of
+# warnings about the TPU VM it cannot find (compiling needs none); the last lets several
+# processes compile at once (libtpu otherwise takes /tmp/libtpu_lockfile for the one process
+# that may drive a TPU's chips, and the others fail).
+CPU_HOST_LIBTPU = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+                   "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 # Cloud TPU's slice shapes: 2-D grids of 1 to 256 chips, 3-D tori of 4 chips and up.
 GRID_CHIPS = (1, 4, 8, 16, 32, 64, 128, 256)
 TORUS_CHIPS = tuple(4 * 2 ** i for i in range(10))  # 4 .. 2048 chips
@@ -85,20 +89,13 @@ def devices(tpu_slice: Slice) -> list:
   """The slice's devices (libtpu's topology description: no TPU needed, requirements-tpu.txt)."""
   import jax  # noqa: PLC0415
   if jax.config.jax_platforms == "cpu":  # a CPU host: libtpu need not look for its own TPU
-    for variable, value in QUIET_LIBTPU.items():
+    for variable, value in CPU_HOST_LIBTPU.items():
       os.environ.setdefault(variable, value)
   # A one-chip slice is one host's only chip (the default host is 2x2x1 chips).
   options = {"chips_per_host_bounds": [1, 1, 1]} if tpu_slice.chips == 1 else {}
-  try:
-    from jax.experimental import topologies  # noqa: PLC0415
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=tpu_slice.topology,
-                                            **options)
-  except Exception as e:  # noqa: BLE001 (a missing libtpu surfaces as several error types)
-    raise ValueError(f"cannot describe TPU slice {tpu_slice.name} ({tpu_slice.topology}) without "
-                     f"libtpu: install requirements-tpu.txt (.venv/bin/pip install -r "
-                     f"requirements-tpu.txt); {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                     ) from e
-  return list(topology.devices)
+  return aot.described_devices("tpu", f"TPU slice {tpu_slice.name} ({tpu_slice.topology})",
+                               "libtpu", "requirements-tpu.txt",
+                               topology_name=tpu_slice.topology, **options)
 
 
 def hbm_bytes(device) -> int:

@@ -189,7 +189,7 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
       reasons.append(f"'splash' is the TPU's kernel (Mosaic), run in interpret mode on a CPU; "
                      f"JAX runs on {platform!r}")
     reasons += splash_backend.refusals(score_mod=score_mod, mask=mask, segments=segments,
-                                       sink_queries=sink_queries)
+                                       sink_queries=sink_queries, dtype=dtype)
   if backend == "pallas":
     if platform not in ("gpu", "cpu"):
       reasons.append(f"'pallas' is JAX's GPU (Triton) kernel, run in interpret mode on a CPU; "
@@ -243,7 +243,7 @@ def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=
     return "cudnn"
   if platform == "tpu" and "splash" in backends and not refusals(
       "splash", score_mod=score_mod, platform=platform, sink_queries=sink_queries, mask=mask,
-      segments=segments):
+      segments=segments, dtype=compute_dtype):
     return "splash"
   if platform not in ("cpu", "tpu"):
     return "xla"
@@ -374,24 +374,26 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
                                   mask=mask, segments_BxT=segments_BxT, backend=backend,
                                   block_size=block_size, backends=backends)
   if backend == "auto":
-    if _without_scores(score_mod, score_params, inputs):
-      score_mod = None
+    if target_platform() == "tpu" and _without_scores(score_mod, score_params, inputs):
+      score_mod = None  # RoPE's: none, so that splash may take the call
     backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
                            value_dim=width, sink_queries=with_sinks, batch_heads=b * n,
                            mask=mask, segments=segments_BxT is not None)
   if backend in ("pallas", "splash") and _without_scores(score_mod, score_params, inputs):
     score_mod = None
   reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width,
-                     sink_queries=with_sinks, mask=mask, segments=segments_BxT is not None)
+                     sink_queries=with_sinks, mask=mask, segments=segments_BxT is not None,
+                     dtype=q_BxTxNxH.dtype if backend == "splash" else None)
   if reasons:
     raise ValueError(f"attention backend {backend!r} cannot run this call: {'; '.join(reasons)}")
   if backend == "pallas":
     return pallas_backend.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, scale=scale,
-                                    segments_BxT=segments_BxT)
+                                    segments_BxT=segments_BxT,
+                                    interpret=target_platform() == "cpu")
   if backend == "splash":
     return splash_backend.attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, scale=scale, mask=mask,
                                     segments_BxT=segments_BxT,
-                                    interpret=jax.default_backend() == "cpu")
+                                    interpret=target_platform() == "cpu")
   if backend == "blockwise":
     return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
                      block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,

@@ -13,7 +13,6 @@ memory of the call; the gradients sum back over the repeats). Sequences are padd
 the kernel's block multiple; causality hides the padding from every real query.
 """
 
-import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -28,8 +27,9 @@ def _padded_length(length):
   return -(-length // BLOCKS.block_q) * BLOCKS.block_q
 
 
-def attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, scale, segments_BxT=None):
-  """softmax(scale q k^T, causal, within documents) v: [B, T, N, H] in q's dtype."""
+def attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, scale, segments_BxT=None, interpret=False):
+  """softmax(scale q k^T, causal, within documents) v: [B, T, N, H] in q's dtype; `interpret`:
+  in Pallas' interpret mode (on a CPU)."""
   b, t, n, h = q_BxTxNxH.shape
   group = n // k_BxTxKxH.shape[2]
   k_BxTxNxH, v_BxTxNxH = (jnp.repeat(x, group, axis=2) for x in (k_BxTxKxH, v_BxTxKxH))
@@ -39,5 +39,5 @@ def attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *, scale, segments_BxT=None):
               jnp.pad(segments_BxT.astype(jnp.int32), [(0, 0), (0, padded - t)], mode="edge"))
   out = pallas_attention.mha(pad(q_BxTxNxH), pad(k_BxTxNxH), pad(v_BxTxNxH), segments,
                              sm_scale=float(scale), causal=True, block_sizes=BLOCKS,
-                             interpret=jax.default_backend() == "cpu")
+                             interpret=interpret)
   return out[:, :t]

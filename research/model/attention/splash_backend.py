@@ -15,7 +15,9 @@ the kernel reads per (query block, key block) to skip the blocks nothing in sees
 
 What it cannot express is refused by name (core.refusals): a score modification (a bias scheme,
 gates, CoPE: Splash takes none), sinks in packed documents (the sinks are each document's first
-tokens, which a static mask does not know) and StreamingLLM's sink queries. Grouped-query
+tokens, which a static mask does not know), StreamingLLM's sink queries, and half-precision
+inputs under a process-wide float32 matmul precision (Mosaic refuses the kernel: "Bad lhs
+type"). Grouped-query
 attention is native (query head n reads key/value head n // (N / K)). Sequences are padded at the
 end to a multiple of 128 tokens (the kernel's lane width); causality hides the padding from every
 real query, and each padded query sees at least itself.
@@ -39,9 +41,15 @@ from research.model.attention import masks
 LANES = 128  # Splash's key blocks are multiples of the TPU's 128 lanes
 
 
-def refusals(*, score_mod, mask, segments, sink_queries):
+def refusals(*, score_mod, mask, segments, sink_queries, dtype=None):
   """Why splash cannot run a call with these properties ([] when it can)."""
   reasons = []
+  precision = str(jax.config.jax_default_matmul_precision or "default").lower()
+  if dtype is not None and jnp.dtype(dtype).itemsize < 4 and precision in ("highest",
+                                                                          "float32"):
+    # Mosaic multiplies half-precision blocks at the MXU's own precision only.
+    reasons.append(f"'splash' on {jnp.dtype(dtype).name} cannot take the float32 matmul passes "
+                   f"of jax_default_matmul_precision={precision!r}: unset it, or use 'blockwise'")
   if score_mod is not None:
     reasons.append("'splash' takes no score modification (a bias scheme, gates, CoPE): use "
                    "'blockwise' or 'xla'")
