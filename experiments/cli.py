@@ -8,9 +8,8 @@ as one line, not a traceback.
                    other exception is a bug and keeps its traceback. A run stopped by SIGTERM or
                    SIGINT (research.training.preemption.Stopped) prints `stopped at step N; ...`
                    on one line and exits with status 0 (SIGTERM) or 130 (SIGINT).
-  cli.workdir_flag(help, positional=...)   --workdir, the one name of every entry point's run,
-                   sweep or output directory (defined once per process, whichever entry point
-                   asks first).
+  cli.workdir_flag(help)   --workdir, the one name of every entry point's run, sweep or output
+                   directory (defined once per process, whichever entry point asks first).
 
 A misspelt config field (--config.train.num_step=5) is named with the closest valid field; an
 unknown flag with the flags the command takes. Finding those hints cannot itself fail: if it

@@ -8,7 +8,10 @@
 The compatible subset: mha / mqa / gqa with rope (its scalings but static_ntk), swiglu and
 rms_norm; projection biases none or all (LlamaForCausalLM), qkv (Qwen2ForCausalLM), or a sliding
 window without biases (MistralForCausalLM). Anything else is refused, naming it, before anything
-is written. Exports the newest readable checkpoint, or --step.
+is written. Exports the newest readable checkpoint, or --step, with what transformers needs
+besides: the run's tokenizer (an equivalent tokenizer.json for the lab's bytes), the special-token
+ids in config.json and generation_config.json, and max_position_embeddings = the positions the
+model was imported or trained with (docs/pretrained.md, research/pretrained/hf_tokenizer.py).
 """
 
 from absl import flags

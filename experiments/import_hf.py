@@ -6,11 +6,12 @@
 Reads config.json and *.safetensors (numpy and safetensors only; no torch) of a Llama-family
 (llama, mistral, qwen2), GPT-2 or Mamba checkpoint and writes RUN/config.json, RUN/checkpoints/0,
 RUN/imported.json and, when the checkpoint has a tokenizer.json, RUN/tokenizer (the run's
-data.tokenizer) (research/pretrained). train.seq_len is the checkpoint's context (what rotary
-scalings scale from); --config may set data.*, train.* and eval.* fields. The run is then read as
-any run: experiments.evaluate, generate and analyze, and train.init_from. A setting the lab
-cannot represent (another head_dim, a partial rotary factor, a window on some layers only) is
-refused, naming it, before anything is written; so is a --workdir that holds anything.
+data.tokenizer, stored relative to the run: the run may be copied or moved) (research/pretrained).
+train.seq_len is the checkpoint's context (what rotary scalings scale from); --config may set
+data.*, train.* and eval.* fields. The run is then read as any run: experiments.evaluate,
+generate, analyze and export_hf, and train.init_from. A setting the lab cannot represent
+(another head_dim, a partial rotary factor, a window on some layers only) is refused, naming it,
+before anything is written; so is a --workdir that holds anything.
 """
 
 from absl import flags

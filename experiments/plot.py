@@ -1,4 +1,5 @@
-"""Redraw results.csv, summary.md and the figures of a run or a sweep from its results files.
+"""Redraw results.csv, summary.md and the figures of a run or a sweep from its results files
+(eval.json), and training_curves.png from its metrics.jsonl, while it trains too.
 
   python -m experiments.plot --workdir=runs/demo    # a sweep directory (experiments.run)
   python -m experiments.plot --workdir=runs/alibi   # one run (experiments.train + .evaluate)
@@ -23,8 +24,8 @@ def main(argv):
   workdir = given[0]
   written = report.write(workdir)
   if written.missing:
-    print(f"runs without results ({len(written.missing)}), left out of the figures: "
-          f"{', '.join(written.missing)}")
+    print(f"runs left out of the figures ({len(written.missing)}; not evaluated, or for "
+          f"training_curves.png no step in metrics.jsonl): {', '.join(written.missing)}")
   print(f"redrew {workdir}/: {', '.join(written.files)}")
 
 

@@ -19,7 +19,7 @@ from research import variants
 
 # The schema's version, saved with every run; a change that renames, moves or reshapes a field
 # bumps it and says how to read the older schema (research/runs/migrations.py).
-VERSION = 2
+VERSION = 3
 
 
 def get_config():
@@ -35,7 +35,7 @@ def get_config():
   m.d_model = 128  # the residual stream's width
   m.num_heads = 4  # query heads; head dim d_model / num_heads unless a mixer sets its own
   m.num_kv_heads = 4  # read by gqa, nsa and path (Mixer.reads_num_kv_heads); mha: num_heads, mqa: 1
-  m.feed_forward = "mlp"  # research.model.feed_forward.REGISTRY: mlp | moe (mixture of experts)
+  m.feed_forward = "mlp"  # research.model.feed_forward.REGISTRY: mlp, swiglu, moe, rwkv ones
   m.feed_forward_pattern = ()  # per layer, tiled to num_layers: Jamba's ("mlp", "moe")
   m.mlp_ratio = 4  # hidden width / d_model of the MLP and of each expert; 0 drops the feed-forward
   m.vocab_size = 258  # 256 bytes + end-of-document + padding
@@ -104,7 +104,10 @@ def get_config():
   # log-spaced to watch heads form over training (python -m experiments.analyze
   # --analysis=induction reads every kept checkpoint).
   t.keep_checkpoints_at = ()
-  t.tensorboard = False  # also write TensorBoard event files
+  # Trackers fed every logged step and the config (research/training/trackers.py), e.g.
+  # ("tensorboard", "wandb"): TensorBoard event files in RUN/tensorboard; a Weights & Biases run
+  # (requirements-tracking.txt; WANDB_MODE=offline keeps it in RUN/wandb).
+  t.trackers = ()
   # Start from another run's final parameters with a fresh optimizer
   # (research/training/init_from.py):
   # a run directory, relative to the one that holds this workdir (in a sweep: a member's name).

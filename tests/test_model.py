@@ -114,13 +114,14 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
     (dict(attention="linear", position="fire"), "'linear' does not support position 'fire'"),
     (dict(attention="mamba", position="rope"), "'mamba' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
     (dict(attention_backend="flash"), "unknown model.attention_backend 'flash'; valid: auto, xla, blockwise, cudnn"),
+    (dict(attention="mhaa"), r"unknown attention type 'mhaa' in model.attention \(did you mean 'mha'\?\); valid: "),
     (dict(attention_backend="cudnn"), "'cudnn' needs a GPU, but JAX runs on 'cpu'.*use 'xla' or 'blockwise'"),
     (dict(attention="fox", position="none", attention_backend="cudnn"), "'fox' does not run on attention_backend 'cudnn'.*use 'blockwise'"),
     (dict(attention="fox", position="rope"), "'fox' does not support position 'rope'.*compatible positions: none, sinusoidal, learned"),
     (dict(layer_pattern=("mamba", "flash"), num_layers=2), "unknown attention type 'flash' in model.layer_pattern"),
     (dict(layer_pattern=("mamba", "mha"), num_layers=3), "num_layers=3 must be a positive multiple of len"),
     (dict(compute_dtype="fp8"), "unknown model.compute_dtype 'fp8'; valid: float32, bfloat16"),
-    (dict(rope=dict(scaling="linear")), "unknown rotary scaling 'linear'; valid: none, pi, static_ntk, dynamic_ntk, yarn"),
+    (dict(rope=dict(scaling="linear")), "unknown rotary scaling 'linear' \\(the scheme's scaling field, e.g. model.rope.scaling\\); valid: none, pi, static_ntk, dynamic_ntk, yarn"),
     (dict(mlp_ratio=-1), "model.mlp_ratio must be >= 0"),
     (dict(feed_forward="dense"), "unknown feed-forward 'dense' in model.feed_forward; valid: mlp, moe"),
     (dict(feed_forward_pattern=("mlp", "geglu"), num_layers=2), "unknown feed-forward 'geglu' in model.feed_forward_pattern"),
@@ -156,7 +157,10 @@ def test_auto_backend_picks_by_length_scores_and_device():
   assert auto_backend(64, mha, jnp.bfloat16, "gpu") == "cudnn"
   assert auto_backend(64, mha, jnp.float32, "gpu") == "xla"  # cuDNN needs half precision
   assert auto_backend(AUTO_BLOCKWISE_FROM, fox, jnp.bfloat16, "gpu") == "xla"  # no cudnn
-  assert auto_backend(AUTO_BLOCKWISE_FROM, mha, jnp.float32, "tpu") == "xla"  # crossover: CPU
+  assert auto_backend(64, mha, jnp.float32, "tpu") == "splash"  # the TPU's kernel
+  # FoX's gates are a score modification, which Splash refuses: the CPU's rule, for memory.
+  assert auto_backend(AUTO_BLOCKWISE_FROM, fox, jnp.float32, "tpu") == "blockwise"
+  assert auto_backend(64, fox, jnp.float32, "tpu") == "xla"
   # Long enough for blockwise, not a multiple of its block: the same logits as xla.
   length, config = AUTO_BLOCKWISE_FROM + 3, dict(d_model=8, num_heads=2, num_layers=1)
   tokens = jax.random.randint(jax.random.key(0), (1, length), 0, 32)

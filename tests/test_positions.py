@@ -274,7 +274,9 @@ def test_hooks_are_read_off_the_overridden_methods():
     (dict(fire=dict(hidden=0)), "model.fire.hidden must be >= 1"),
     (dict(learned=dict(max_length=-1)), "model.learned.max_length must be >= 1"),
     (dict(rope=dict(base=0.0)), "the rotary base must be > 1"),
-    (dict(rope=dict(scaling="ntk")), "unknown rotary scaling 'ntk'; valid: none, pi, static_ntk, dynamic_ntk, yarn"),
+    (dict(rope=dict(scaling="yarn2")),
+     r"unknown rotary scaling 'yarn2' \(the scheme's scaling field, e.g. model.rope.scaling\) "
+     r"\(did you mean 'yarn'\?\); valid: none, pi, static_ntk, dynamic_ntk, yarn"),
     (dict(prope=dict(fraction=1.5)), r"model.prope.fraction must be in \[0, 1\]"),
 ])
 def test_bad_scheme_settings_name_what_is_valid(settings, message):

@@ -7,6 +7,7 @@ Needs the optional extra (CI installs it): .venv/bin/pip install -r requirements
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from research import data
+from research import load_run
 from research.data import catalog
 from research.data import needles
 from research.data import storage
@@ -22,6 +24,7 @@ from research.data import tokenizer
 from research.evaluation import extrapolation
 from research.evaluation import generate
 from research.pretrained import convert
+from research.pretrained import hf_tokenizer
 from research.pretrained import hf_weights
 from research.runs import checkpoints
 from research.runs import config_fields
@@ -38,7 +41,7 @@ def _extra():
   torch = pytest.importorskip("torch", reason=INSTALL)
   transformers = pytest.importorskip("transformers", reason=INSTALL)
 
-EOS = "<|endoftext|>"
+EOS, BOS, PAD = "<|endoftext|>", "<|startoftext|>", "<|padding|>"
 VOCAB = 300  # above the lab's 258 byte tokens, which the run's default data needs
 LENGTH = 14
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
@@ -173,19 +176,37 @@ def test_a_checkpoint_the_lab_cannot_hold_is_refused_before_anything_is_written(
   assert os.listdir(run) == ["notes.txt"]
 
 
-def _bpe(texts, directory):
-  """A byte-level BPE of 280 tokens trained on `texts`, saved as a Hugging Face tokenizer."""
+def _bpe(texts, directory, **named_tokens):
+  """A byte-level BPE of 280 tokens trained on `texts`, saved as a Hugging Face tokenizer: EOS
+  (id 0) its end-of-sequence token, then the `named_tokens` (bos_token=BOS: ids 1, ...)."""
   import tokenizers  # noqa: PLC0415
   bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
   bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   bpe.decoder = tokenizers.decoders.ByteLevel()
   bpe.train_from_iterator(texts, tokenizers.trainers.BpeTrainer(
-      vocab_size=280, special_tokens=[EOS],
+      vocab_size=280, special_tokens=[EOS, *named_tokens.values()],
       initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
   bpe.save(os.path.join(directory, "tokenizer.json"))
   with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-    json.dump({"eos_token": EOS}, f)
+    json.dump({"eos_token": EOS, **named_tokens}, f)
   return bpe
+
+
+def _corpus(directory):
+  """(the directory, its texts): a text_dir corpus of 60 random sentences of 40 words."""
+  directory.mkdir()
+  rng = np.random.default_rng(0)
+  words = ["attention", "rotary", "window", "the", "of", "key", "value", "query", "head", "a"]
+  texts = [" ".join(rng.choice(words, 40)) for _ in range(60)]
+  for i, text in enumerate(texts):
+    (directory / f"doc{i:02d}.txt").write_text(text)
+  return str(directory), texts
+
+
+def _text_dir_settings(corpus):
+  """An import's data and evaluation settings: the corpus, one 16-token window (quick)."""
+  return {"data.name": "text_dir", "data.corpus_path": corpus, "eval.lengths": (16,),
+          "eval.modes": ("nonoverlapping",), "eval.num_tokens": 16, "eval.bootstrap_samples": 10}
 
 
 @pytest.fixture(scope="module")
@@ -193,20 +214,52 @@ def bpe_run(tmp_path_factory):
   """(transformers model, its BPE, the imported run, the corpus texts): a tiny Llama with a
   byte-level BPE trained on a text_dir corpus of random sentences, imported with the corpus."""
   tmp_path = tmp_path_factory.mktemp("bpe_run")
-  corpus = tmp_path / "corpus"
-  corpus.mkdir()
-  rng = np.random.default_rng(0)
-  words = ["attention", "rotary", "window", "the", "of", "key", "value", "query", "head", "a"]
-  texts = [" ".join(rng.choice(words, 40)) for _ in range(60)]
-  for i, text in enumerate(texts):
-    (corpus / f"doc{i:02d}.txt").write_text(text)
+  corpus, texts = _corpus(tmp_path / "corpus")
   checkpoint, run = tmp_path / "hf", str(tmp_path / "run")
   hf_model = _save(transformers.LlamaConfig(num_key_value_heads=2, **SIZES), str(checkpoint))
   bpe = _bpe(texts + [needles.FILLER.decode()] * 20, str(checkpoint))
-  convert.import_checkpoint(str(checkpoint), run, log=lambda line: None, overrides={
-      "data.name": "text_dir", "data.corpus_path": str(corpus), "eval.lengths": (16,),
-      "eval.modes": ("nonoverlapping",), "eval.num_tokens": 16, "eval.bootstrap_samples": 10})
+  convert.import_checkpoint(str(checkpoint), run, log=lambda line: None,
+                            overrides=_text_dir_settings(corpus))
   return hf_model, bpe, run, texts
+
+
+def test_an_imported_run_moves_and_exports_what_transformers_needs(tmp_path):
+  # The checkpoint's special tokens are its BPE's own, its position limit 64 (no lab default).
+  corpus, texts = _corpus(tmp_path / "corpus")
+  checkpoint, run = tmp_path / "hf", str(tmp_path / "run")
+  hf_model = _save(transformers.LlamaConfig(
+      num_key_value_heads=2, bos_token_id=1, eos_token_id=0, pad_token_id=2,
+      **{**SIZES, "max_position_embeddings": 64}), str(checkpoint))
+  _bpe(texts, str(checkpoint), bos_token=BOS, pad_token=PAD)
+  convert.import_checkpoint(str(checkpoint), run, log=lambda line: None,
+                            overrides=_text_dir_settings(corpus))
+  with open(os.path.join(run, "config.json")) as f:
+    assert json.load(f)["data"]["tokenizer"] == "tokenizer"  # relative to the run
+
+  moved = str(tmp_path / "elsewhere" / "run")
+  shutil.copytree(run, moved)
+  shutil.rmtree(run)
+  config = config_fields.load_saved(moved)
+  assert config.data.tokenizer == os.path.join(moved, "tokenizer")
+  data.prepare(config)
+  (row,) = extrapolation.evaluate_run(config, moved, progress=lambda line: None)
+  assert np.isfinite(row["loss"])
+  lab_tokens = load_run(moved, log=lambda line: None).tokenizer
+
+  exported = str(tmp_path / "exported")
+  convert.export_run(moved, exported, log=lambda line: None)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      exported, attn_implementation="eager").eval()
+  tokens = _tokens(4)
+  np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(hf_model, tokens))
+  text = texts[0][:60] + f" ünïcode 日本\n\t{EOS}"
+  hf_tokens = transformers.AutoTokenizer.from_pretrained(exported)
+  assert hf_tokens.encode(text, add_special_tokens=False) == lab_tokens.encode(text).tolist()
+  assert (hf_tokens.bos_token_id, hf_tokens.eos_token_id, hf_tokens.pad_token_id) == (1, 0, 2)
+  generation = transformers.GenerationConfig.from_pretrained(exported)
+  for settings in (generation, reloaded.config):
+    assert (settings.bos_token_id, settings.eos_token_id, settings.pad_token_id) == (1, 0, 2)
+  assert reloaded.config.max_position_embeddings == 64
 
 
 def _scored_cross_entropy(hf_model, tokens_NxL1, mask_NxL):
@@ -289,6 +342,11 @@ def test_an_imported_run_is_fine_tuned_from_its_parameters(bpe_run, tmp_path):
                                        nnx.to_flat_state(nnx.state(imported))):
     np.testing.assert_array_equal(ours.get_value(), theirs.get_value(), err_msg=str(path))
   assert 2 in checkpoints.steps(workdir)
+  # Its export gives back the imported checkpoint's special-token ids (LlamaConfig's defaults
+  # here, not the BPE's end of sequence, 0), and the longer of 16 trained and 8 imported.
+  hf = convert.export_run(workdir, str(tmp_path / "exported"), log=lambda line: None)
+  assert (hf["bos_token_id"], hf["eos_token_id"], "pad_token_id" in hf) == (1, 2, False)
+  assert hf["max_position_embeddings"] == 16
 
 
 @pytest.mark.parametrize("model", [
@@ -322,6 +380,29 @@ def test_a_lab_run_exports_to_a_checkpoint_transformers_computes_alike(tmp_path,
   tokens = _tokens(3)
   assert _relative_error(np.asarray(lab_model(jnp.asarray(tokens))),
                          _hf_logits(reloaded, tokens)) < 1e-5
+  assert reloaded.config.max_position_embeddings == config.train.seq_len
+  assert sorted(os.listdir(exported)) == ["config.json", "generation_config.json",
+                                          "model.safetensors", "tokenizer.json",
+                                          "tokenizer_config.json"]  # the byte-level tokenizer
+  generation = transformers.GenerationConfig.from_pretrained(exported)
+  assert (generation.eos_token_id, generation.pad_token_id, hf["eos_token_id"]) == (256, 257, 256)
+
+
+def test_a_byte_level_run_exports_a_tokenizer_that_encodes_its_bytes(tmp_path):
+  files = hf_tokenizer.export_files(tokenizer.ByteTokenizer())
+  for name, content in files.items():
+    (tmp_path / name).write_text(content)
+  hf_tokens = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  text = f"héllo  wörld\n\t日本 {hf_tokenizer.BYTE_EOS}{hf_tokenizer.BYTE_PAD} \x00\x7f 🎉"
+  ids = tokenizer.ByteTokenizer().encode(text).tolist()
+  assert hf_tokens.encode(text, add_special_tokens=False) == ids == hf_tokens(text).input_ids
+  assert (hf_tokens.eos_token_id, hf_tokens.pad_token_id, hf_tokens.bos_token_id) == (256, 257,
+                                                                                      None)
+  assert hf_tokens.decode(ids + [256, 257], skip_special_tokens=True) == text
+  invalid = [0xff, 0x68, 0xe6, 0x97, 0x41]  # bytes that are no UTF-8: replaced alike
+  assert hf_tokens.decode(invalid) == tokenizer.ByteTokenizer().decode(invalid)
+  assert hf_tokenizer.special_ids(tokenizer.ByteTokenizer()) == {"eos_token_id": 256,
+                                                                 "pad_token_id": 257}
 
 
 def test_the_head_analyses_read_an_imported_run_and_label_its_tokens(bpe_run):

@@ -54,13 +54,14 @@ def _nested(flat):
 
 
 def test_a_config_of_an_older_schema_is_migrated_before_it_is_read(monkeypatch):
-  """A schema change (version 3 here: num_kv_heads renamed, the learning rate moved to another
-  section, warmup given as a fraction of the steps) with its Migration: the fixture's config
-  written in the older form loads as the fixture itself does and trains the same run."""
+  """A schema change (the next version here: num_kv_heads renamed, the learning rate moved to
+  another section, warmup given as a fraction of the steps) with its Migration: the fixture's
+  config written in the older form (today's) loads as the fixture itself does and trains the
+  same run."""
   with open(os.path.join(FIXTURE, "config.json")) as f:
-    saved = defaults.flatten(json.load(f))
+    saved = migrations.migrate(defaults.flatten(json.load(f)), "fixture")  # today's schema
   expected = config_fields.load_saved(FIXTURE)
-  older = {"version": 2, **saved}
+  older = dict(saved)
   older["model.kv_heads"] = older.pop("model.num_kv_heads")
   older["optimizer.lr"] = older.pop("train.learning_rate")
   older["train.warmup_fraction"] = older.pop("train.warmup_steps") / older["train.num_steps"]
@@ -70,17 +71,18 @@ def test_a_config_of_an_older_schema_is_migrated_before_it_is_read(monkeypatch):
     flat["train.warmup_steps"] = round(flat.pop("train.warmup_fraction") * flat["train.num_steps"])
     return flat
 
-  monkeypatch.setattr(defaults, "VERSION", 3)
-  monkeypatch.setattr(defaults, "_FLAT_DEFAULTS", {})  # its cache of version 2's defaults
+  new = defaults.VERSION + 1
+  monkeypatch.setattr(defaults, "VERSION", new)
+  monkeypatch.setattr(defaults, "_FLAT_DEFAULTS", {})  # its cache of today's defaults
   monkeypatch.setattr(migrations, "MIGRATIONS", (*migrations.MIGRATIONS, migrations.Migration(
-      3, "a test's", moved={"model.kv_heads": "model.num_kv_heads",
+      new, "a test's", moved={"model.kv_heads": "model.num_kv_heads",
                             "optimizer.lr": "train.learning_rate"}, convert=warmup_in_steps)))
   with pytest.raises(ValueError, match=r"fields this code does not know \(model.kv_heads, "
                                        r"optimizer.lr, train.warmup_fraction\)"):
-    config_fields.merge_saved(_nested({**older, "version": 3}), "unmigrated")  # as version 3
+    config_fields.merge_saved(_nested({**older, "version": new}), "unmigrated")  # as the new one
   loaded = config_fields.merge_saved(_nested(older), "older.json")
-  assert loaded.version == 3
-  expected.version = 3
+  assert loaded.version == new
+  expected.version = new
   assert defaults.flatten(loaded) == defaults.flatten(expected)
   assert config_fields.training_differences(_nested(older), loaded) == []
   loaded.train.learning_rate *= 2
@@ -115,3 +117,10 @@ def test_the_migration_table_covers_every_version_and_moves_to_fields_that_exist
   for migration in reversed(migrations.MIGRATIONS):
     assert set(migration.moved.values()) <= fields | moved_later, migration
     moved_later |= set(migration.moved)
+
+
+def test_a_damaged_config_json_is_named_with_what_to_do(tmp_path):
+  (tmp_path / "config.json").write_text('{"model": ')
+  with pytest.raises(ValueError, match=rf"{tmp_path}/config.json is not valid JSON \(.*\); "
+                                       "restore it from a copy"):
+    config_fields.load_saved(str(tmp_path))

@@ -262,7 +262,7 @@ def test_weight_decay_follows_each_parameters_declaration(attention, position, d
 
 def test_tensorboard_events_are_written_without_tensorflow(tmp_path):
   config = tiny_config.get_config()
-  config.train.update(dict(num_steps=2, warmup_steps=1, tensorboard=True))
+  config.train.update(dict(num_steps=2, warmup_steps=1, trackers=("tensorboard",)))
   train.train_and_evaluate(config, str(tmp_path))
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
   assert "tensorflow" not in sys.modules

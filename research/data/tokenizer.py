@@ -7,6 +7,14 @@
             tokenizer's end-of-sequence token (tokenizer_config.json's eos_token) and windows are
             padded with it (padding is never scored)
 
+Where DIR lies: on a command line, a relative DIR is taken from the current directory, as any
+path. In a run's config.json, a DIR inside the run is stored relative to the run (`for_run`:
+"tokenizer" is RUN/tokenizer, what experiments.import_hf writes), so that a copied or moved run
+still finds it, and any other DIR absolute; reading the run (research.runs.config_fields.
+load_saved) turns it back into a path from here (`from_run`). A relative DIR that the run does
+not hold is read from the current directory, as before: experiments.train saves the command
+line's value as given.
+
 Used for the language-modeling corpora (training and evaluation streams), the needle tasks (their
 text rendered, then tokenized: research.data.needles) and generation; the synthetic tasks build
 their own symbol ids and refuse a tokenizer.
@@ -99,6 +107,25 @@ def check(name: str):
   if name != BYTES and not os.path.exists(os.path.join(name, "tokenizer.json")):
     raise ValueError(f"data.tokenizer={name!r} is neither 'bytes' nor a directory holding a "
                      "Hugging Face tokenizer.json")
+
+
+def for_run(name: str, run_dir: str) -> str:
+  """data.tokenizer as `run_dir`'s config.json keeps it: "bytes" as it is, a directory inside the
+  run relative to the run, any other directory absolute (see the module's docstring)."""
+  if name == BYTES:
+    return name
+  path, run = os.path.abspath(name), os.path.abspath(run_dir)
+  return os.path.relpath(path, run) if path.startswith(run + os.sep) else path
+
+
+def from_run(name: str, run_dir: str) -> str:
+  """The data.tokenizer of `run_dir`'s config.json as a path from the current directory: a
+  relative one names the run's own directory where the run holds it (see the module's
+  docstring); "bytes" and absolute paths as they are."""
+  if name == BYTES or os.path.isabs(name):
+    return name
+  inside = os.path.abspath(os.path.join(run_dir, name))
+  return inside if os.path.isdir(inside) else name
 
 
 @functools.lru_cache(maxsize=4)

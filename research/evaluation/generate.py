@@ -83,18 +83,24 @@ def check_settings(prompt_tokens, max_new_tokens, temperature, top_k, cache_leng
     raise ValueError("; ".join(problems))
 
 
+def check_positions(model_config, length, what):
+  """ValueError if `length` tokens (`what`, as the message names them) reach past the position
+  table of the model's scheme (learned positions; positions.max_length): the positions beyond it
+  have no embedding."""
+  table = positions.max_length(model_config)
+  if table is not None and length > table:
+    raise ValueError(
+        f"{what} exceed the {table} positions of the {model_config.position!r} table (model."
+        f"{positions.REGISTRY.settings_key(model_config.position)}.max_length); use at most "
+        f"{table} tokens in all")
+
+
 def check_lengths(model, model_config, total, cache_length):
   """The cache length to use for `total` = prompt + new tokens: `cache_length` (0: `total`).
   ValueError if a cache whose size grows with the context is too small for `total` tokens (a
   recurrent state or the rolling buffer of a sliding window never is), or if the position scheme
   has no embedding for the last position."""
-  table = positions.max_length(model_config)
-  if table is not None and total > table:
-    raise ValueError(
-        f"prompt + max_new_tokens = {total} tokens exceed the {table} positions of the "
-        f"{model_config.position!r} table (model."
-        f"{positions.REGISTRY.settings_key(model_config.position)}.max_length); use at most "
-        f"{table} tokens in all")
+  check_positions(model_config, total, f"prompt + max_new_tokens = {total} tokens")
   cache_length = cache_length or total
   if model.cache_bytes(1, cache_length) < model.cache_bytes(1, total):
     raise ValueError(
@@ -104,9 +110,10 @@ def check_lengths(model, model_config, total, cache_length):
   return cache_length
 
 
-def generation_config(workdir, overrides=None):
-  """The config of the run in `workdir` with `overrides` ({field: value} of GENERATION_FIELDS),
-  checked; ValueError or FileNotFoundError naming what is wrong, before anything is built."""
+def run_config(workdir):
+  """The saved config of the trained run in `workdir` (config_fields.load_saved); ValueError for a
+  sweep or a directory that holds no run, FileNotFoundError for a run without a checkpoint, each
+  saying what to give instead."""
   runs = workdirs.runs(workdir)
   if workdirs.is_sweep(workdir):
     raise ValueError(f"{workdir} is a sweep; give one of its runs, {workdir}/runs/<name>, with "
@@ -115,6 +122,13 @@ def generation_config(workdir, overrides=None):
   if not checkpoints.steps(workdir):
     raise FileNotFoundError(f"{workdir} has no checkpoint yet; train it first (python -m "
                             "experiments.train with this --workdir), or give a trained run")
+  return config
+
+
+def generation_config(workdir, overrides=None):
+  """The config of the run in `workdir` with `overrides` ({field: value} of GENERATION_FIELDS),
+  checked; ValueError or FileNotFoundError naming what is wrong, before anything is built."""
+  config = run_config(workdir)
   overrides = dict(overrides or {})
   others = sorted(name for name in overrides if name not in GENERATION_FIELDS)
   if others:

@@ -6,7 +6,15 @@ a shared one, as mha / mqa / gqa share `model.softmax`), so the config schema (r
 family-prefixed fields and `--config.model.fire.hidden=32` works for any variant.
 """
 
+import difflib
+
 import ml_collections
+
+
+def did_you_mean(name, valid) -> str:
+  """" (did you mean 'x'?)" for the valid name closest to a misspelt `name`, or ""."""
+  closest = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
+  return f" (did you mean {closest[0]!r}?)" if closest else ""
 
 
 class Registry(dict):
@@ -42,8 +50,8 @@ class Registry(dict):
 
   def lookup(self, name, config_field=None):
     if name not in self:
-      raise ValueError(f"unknown {self.what} {name!r} in {config_field or self.config_field}; "
-                       f"valid: {', '.join(sorted(self))}")
+      raise ValueError(f"unknown {self.what} {name!r} in {config_field or self.config_field}"
+                       f"{did_you_mean(name, self)}; valid: {', '.join(sorted(self))}")
     return self[name]
 
   def settings_key(self, name):

@@ -173,8 +173,8 @@ class Block(nnx.Module):
     dtype = nn.compute_dtype(model_config)
     self.mixer_norm = norms.build(model_config, rngs=rngs, dtype=dtype)
     self.mixer = mixer
-    # Named `mlp` whatever the feed-forward, as before there was a choice: checkpoints keep
-    # their parameter paths.
+    # Named `mlp` whatever the feed-forward: the parameter paths of every checkpoint, the first
+    # runs' (which had only the MLP) included, stay the same.
     kept = bool(model_config.mlp_ratio)
     self.mlp_norm = norms.build(model_config, rngs=rngs, dtype=dtype) if kept else None
     self.mlp = feed_forward.REGISTRY.lookup(feed_forward_name)(

@@ -1,9 +1,14 @@
 """A Hugging Face checkpoint directory -> a run directory of the lab, and back.
 
   import_checkpoint(CHECKPOINT, RUN)   RUN/config.json (the lab's config with the checkpoint's
-                                       model fields), RUN/checkpoints/0 (its parameters, orbax)
-                                       and RUN/imported.json (where they came from)
-  export_run(RUN, CHECKPOINT)          CHECKPOINT/config.json and model.safetensors, float32
+                                       model fields), RUN/checkpoints/0 (its parameters, orbax),
+                                       RUN/tokenizer (its tokenizer, if any: data.tokenizer,
+                                       stored as "tokenizer", relative to the run) and
+                                       RUN/imported.json (where they came from, and what an
+                                       export gives back: the position limit, special-token
+                                       ids and generation settings)
+  export_run(RUN, CHECKPOINT)          CHECKPOINT/config.json, model.safetensors (float32),
+                                       generation_config.json and the tokenizer's files
 
 The source's config and the destination are checked before anything is written, and a
 destination that holds anything is refused, so nothing already there is lost. An import writes
@@ -22,14 +27,18 @@ from flax import nnx
 
 from research import data
 from research import defaults
+from research.data import tokenizer
 from research.model import transformer as model_lib
 from research.evaluation import generate
 from research.pretrained import hf_config
+from research.pretrained import hf_tokenizer
 from research.pretrained import hf_weights
 from research.runs import checkpoints
 from research.runs import config_fields
+from research.training import init_from
 
 IMPORTED_FILE = "imported.json"
+GENERATION_FILE = "generation_config.json"
 TOKENIZER_DIR = "tokenizer"
 
 
@@ -110,29 +119,6 @@ def lab_state(model_config, params_by_path: dict):
   return nnx.from_flat_state(flat)
 
 
-def _tokenizer_files(checkpoint_dir: str, hf: dict) -> dict:
-  """{file name: text} of the checkpoint's tokenizer to write into RUN/tokenizer (empty if it has
-  no tokenizer.json): tokenizer.json as it is, and tokenizer_config.json with the eos_token of
-  config.json's eos_token_id where it names none."""
-  path = os.path.join(checkpoint_dir, "tokenizer.json")
-  if not os.path.exists(path):
-    return {}
-  with open(path) as f:
-    files = {"tokenizer.json": f.read()}
-  settings = {}
-  if os.path.exists(os.path.join(checkpoint_dir, "tokenizer_config.json")):
-    with open(os.path.join(checkpoint_dir, "tokenizer_config.json")) as f:
-      settings = json.load(f)
-  eos_id = hf.get("eos_token_id")
-  eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
-  if not settings.get("eos_token") and eos_id is not None:
-    vocabulary = {token["id"]: token["content"]
-                  for token in json.loads(files["tokenizer.json"]).get("added_tokens", [])}
-    settings["eos_token"] = vocabulary.get(eos_id)
-  files["tokenizer_config.json"] = json.dumps(settings)
-  return files
-
-
 def import_checkpoint(checkpoint_dir: str, workdir: str, overrides=None, log=print):
   """Convert the checkpoint directory into the run directory `workdir` (new or empty), with the
   checkpoint's tokenizer (if it has a tokenizer.json) in RUN/tokenizer as data.tokenizer.
@@ -140,7 +126,7 @@ def import_checkpoint(checkpoint_dir: str, workdir: str, overrides=None, log=pri
   hf = read_config(checkpoint_dir)
   family = hf_config.family(hf)
   hf_config.to_lab(hf)  # refuses what the lab cannot hold before anything else
-  tokenizer_files = _tokenizer_files(checkpoint_dir, hf)
+  tokenizer_files = hf_tokenizer.checkpoint_files(checkpoint_dir, hf)
   _check_destination(workdir)
   created = not os.path.exists(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -178,20 +164,50 @@ def _import(checkpoint_dir, workdir, hf, family, tokenizer_files, overrides):
   checkpoints.wait(manager)
   manager.close()
   with open(os.path.join(workdir, IMPORTED_FILE), "w") as f:
-    json.dump({"checkpoint": os.path.abspath(checkpoint_dir), "model_type": hf["model_type"],
-               "family": family, "transformers_version": hf.get("transformers_version")}, f,
-              indent=2)
+    json.dump(_record(checkpoint_dir, hf, family), f, indent=2)
+  saved = config.copy_and_resolve_references()  # its tokenizer relative to the run: portable
+  saved.data.tokenizer = tokenizer.for_run(config.data.tokenizer, workdir)
   with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json(indent=2, sort_keys=True))
+    f.write(saved.to_json(indent=2, sort_keys=True))
   return config, sum(value.size for value in params.values())
+
+
+def _record(checkpoint_dir, hf, family) -> dict:
+  """RUN/imported.json: where the run came from, and what of the checkpoint's config the lab's
+  config does not hold and an export gives back (export_run): max_position_embeddings, the
+  special-token ids and generation_config.json (null where the checkpoint has none)."""
+  generation = None
+  if os.path.exists(os.path.join(checkpoint_dir, GENERATION_FILE)):
+    with open(os.path.join(checkpoint_dir, GENERATION_FILE)) as f:
+      generation = json.load(f)
+  return {"checkpoint": os.path.abspath(checkpoint_dir), "model_type": hf["model_type"],
+          "family": family, "transformers_version": hf.get("transformers_version"),
+          "max_position_embeddings": hf.get("max_position_embeddings"),
+          "special_tokens": {key: hf.get(key) for key in hf_tokenizer.SPECIAL_TOKEN_IDS},
+          "generation_config": generation}
 
 
 def export_run(workdir: str, checkpoint_dir: str, step: int | None = None, log=print):
   """Write the run's newest readable checkpoint (or checkpoint `step`) as a Llama-family
-  Hugging Face checkpoint directory (new or empty) that transformers loads."""
+  Hugging Face checkpoint directory (new or empty) that transformers loads: config.json with
+  max_position_embeddings = position_limit and the special-token ids, model.safetensors,
+  generation_config.json, and the run's tokenizer (hf_tokenizer; none for a synthetic task's
+  symbols). An imported run (or one fine-tuned from it: `imported_record`) gives back the
+  checkpoint's special-token ids and generation_config.json; another run its tokenizer's."""
   from safetensors import numpy as safetensors_numpy  # noqa: PLC0415 (only when exporting)
   config = config_fields.load_saved(workdir)
-  hf = hf_config.from_lab(config.model, max(config.train.seq_len, *config.eval.lengths))
+  record = imported_record(config, workdir)
+  hf = hf_config.from_lab(config.model, position_limit(config, record))
+  tokens = tokenizer.get(config) if data.is_text(config) else None
+  if "special_tokens" in record:
+    special = record["special_tokens"]
+  else:
+    special = hf_tokenizer.special_ids(tokens) if tokens else {}
+  special = {key: value for key, value in special.items() if value is not None}
+  hf.update(special)
+  generation = record.get("generation_config") or special
+  files = {GENERATION_FILE: json.dumps(generation, indent=2)} if generation else {}
+  files.update(hf_tokenizer.export_files(tokens) if tokens else {})
   _check_destination(checkpoint_dir)
   step, model = generate.restore(config, workdir, log=log, step=step)
   params = {path: np.asarray(variable.get_value())
@@ -200,8 +216,35 @@ def export_run(workdir: str, checkpoint_dir: str, step: int | None = None, log=p
   os.makedirs(checkpoint_dir, exist_ok=True)
   safetensors_numpy.save_file(tensors, os.path.join(checkpoint_dir, "model.safetensors"),
                               metadata={"format": "pt"})
-  with open(os.path.join(checkpoint_dir, "config.json"), "w") as f:
-    json.dump(hf, f, indent=2)
+  files["config.json"] = json.dumps(hf, indent=2)
+  for name, content in files.items():
+    with open(os.path.join(checkpoint_dir, name), "w") as f:
+      f.write(content)
   log(f"exported step {step} of {workdir} as a {hf['model_type']} checkpoint in "
-      f"{checkpoint_dir}")
+      f"{checkpoint_dir} ({', '.join(sorted(files))}, model.safetensors)")
   return hf
+
+
+def imported_record(config, workdir: str) -> dict:
+  """RUN/imported.json of the run, or of the run it was fine-tuned from (train.init_from,
+  followed while the tokenizer stays the same and the source is there); {} for a run that no
+  import began."""
+  while not os.path.exists(os.path.join(workdir, IMPORTED_FILE)):
+    if not config.train.init_from:
+      return {}
+    source = init_from.source_directory(config, workdir)
+    if not os.path.exists(os.path.join(source, "config.json")):
+      return {}
+    source_config = config_fields.load_saved(source)
+    if source_config.data.tokenizer != config.data.tokenizer:
+      return {}
+    config, workdir = source_config, source
+  with open(os.path.join(workdir, IMPORTED_FILE)) as f:
+    return json.load(f)
+
+
+def position_limit(config, record: dict) -> int:
+  """The positions the model was made for: the longer of its training length (train.seq_len)
+  and the imported checkpoint's max_position_embeddings (`record`, imported_record's). Not
+  the evaluation lengths: a rotary model is evaluated beyond what it was trained for."""
+  return max(config.train.seq_len, record.get("max_position_embeddings") or 0)

@@ -28,6 +28,8 @@ In the last four, points are means over seeds and error bars span the seeds' mea
 interval over evaluated examples (results.csv's `<metric>_ci_low` / `_ci_high`); tasks.png,
 width.png and accuracy_vs_state.png also mark each seed's value (small hollow markers), the
 spread across seeds that the intervals over examples do not show.
+From the runs' metrics.jsonl instead (research.results.training_curves): training_curves.png,
+each run's training and validation loss against the step and against the tokens trained on.
 Legends sit below the panels. A variant has the same colour in every panel.
 """
 
@@ -69,10 +71,17 @@ def _line_styles(scalings):
   return {"none": "-", **{s: LINE_STYLES[i % len(LINE_STYLES)] for i, s in enumerate(scaled)}}
 
 
+class _PlainLogFormatter(ticker.LogFormatter):
+  """The ticks LogFormatter labels, in plain numbers below 1 too (0.01, not 1e-02)."""
+
+  def __call__(self, x, pos=None):
+    return f"{x:g}" if super().__call__(x, pos) else ""
+
+
 def _plain_log_ticks(axis):
-  """Label a log axis with plain numbers (6, 8, 10, 20), not 6x10^0 or 10^1."""
-  axis.set_major_formatter(ticker.LogFormatter(labelOnlyBase=False))
-  axis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+  """Label a log axis with plain numbers (0.5, 6, 8, 10, 20), not 6x10^0 or 10^1."""
+  axis.set_major_formatter(_PlainLogFormatter(labelOnlyBase=False))
+  axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
 
 
 def _legend_below(fig, axes):
@@ -355,5 +364,44 @@ def score_against_state(panels: list[tuple[str, dict]]) -> matplotlib.figure.Fig
     ax.set_xlabel("decode state per sequence (all layers)")
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
+  _legend_below(fig, axes)
+  return fig
+
+
+def training_curves(curves: list, title: str) -> matplotlib.figure.Figure:
+  """Each run's training loss (a line) and validation loss (markers) against its training step
+  (left) and against the tokens it has trained on (right: step x train.batch_size x
+  train.seq_len, which differ between the runs of a sweep over lengths); `curves` are
+  research.results.training_curves.Curve. The loss axis is logarithmic where the losses span more
+  than a decade (a task's, falling towards 0), linear otherwise. A variant has its colour of the
+  other figures (its label's), and its seeds share it and one legend entry, which counts them;
+  once the colours repeat, markers on the lines tell the variants apart. Every line's gid is its
+  run (its validation markers': "<run> validation"), for the tests to find its series."""
+  labels = {curve.label for curve in curves}
+  colors, markers = _colors(labels), _markers(labels)
+  repeated = len(labels) > len(_color_cycle())
+  seeds = collections.Counter(curve.label for curve in curves)
+  fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True, layout="constrained")
+  for ax, in_tokens in zip(axes, (False, True)):
+    for curve in curves:
+      scale = curve.tokens_per_step if in_tokens else 1
+      count = seeds[curve.label]
+      ax.plot(np.multiply(curve.steps, scale), curve.loss, color=colors[curve.label],
+              linewidth=1.2, gid=curve.run, marker=markers[curve.label] if repeated else None,
+              markevery=0.2, markersize=4,
+              label=curve.label if count == 1 else f"{curve.label} ({count} seeds)")
+      ax.plot(np.multiply(curve.validation_steps, scale), curve.validation_loss, linestyle="none",
+              marker=markers[curve.label], color=colors[curve.label], markeredgecolor="black",
+              markeredgewidth=0.5, gid=f"{curve.run} validation")
+    ax.grid(alpha=0.3, which="both")
+  losses = [loss for curve in curves for loss in curve.loss + curve.validation_loss]
+  if max(losses) > 10 * min(losses):  # a task's loss falling towards 0: show its last decades
+    axes[0].set_yscale("log")
+    _plain_log_ticks(axes[0].yaxis)
+  axes[0].set_ylabel("loss (nats/token): lines training, markers validation")
+  axes[0].set_xlabel("training step")
+  axes[1].set_xlabel("tokens trained on (step x train.batch_size x train.seq_len)")
+  axes[1].xaxis.set_major_formatter(ticker.EngFormatter(sep=""))
+  fig.suptitle(title, fontsize=10)
   _legend_below(fig, axes)
   return fig

@@ -1,5 +1,6 @@
-"""Results files of a run or a sweep, from the runs' eval.json files alone: DIR/results.csv
-(tidy), DIR/summary.md and the figures (research.results.plots).
+"""Results files of a run or a sweep, from the runs' eval.json files alone (but for
+training_curves.png, from their metrics.jsonl): DIR/results.csv (tidy), DIR/summary.md and the
+figures (research.results.plots).
 
 results.csv has one row per run x evaluation (research.evaluation.results: checkpoint step x
 split x eval length x mode x RoPE scaling x evaluated text x needle depth), with the columns run,
@@ -16,7 +17,8 @@ figures show each run's latest rows (the newest checkpoint step) of the validati
 evaluated before its last step is labelled with the step. A sweep of MAD tasks adds mad.md and
 mad_state.png (research.results.mad_table), which read the test split too; another task sweep
 over model.d_model adds width.md (research.results.width_table: every cell over seeds, seed by
-seed).
+seed). training_curves.png (research.results.training_curves) plots each run's training and
+validation loss from its metrics.jsonl, evaluated or not.
 """
 
 import collections
@@ -29,6 +31,7 @@ from research import data
 from research.evaluation import results as eval_results
 from research.results import mad_table
 from research.results import sweep as sweep_lib
+from research.results import training_curves
 from research.results import width_table
 from research.results.tables import (aggregate, cell, intervals, mean_std, scaled_label,
                                      swept_keys, variant_label)
@@ -62,26 +65,38 @@ def _status(workdir, run):
           "reason": f"python -m experiments.evaluate --workdir={workdir} evaluates it"}
 
 
+def _saved_configs(workdir):
+  """(the runs, {name: config} of those that have a config.json, the fields swept over them)."""
+  runs = workdirs.runs(workdir)
+  configs = {run.name: config_fields.load_saved(run.directory) for run in runs
+             if os.path.exists(os.path.join(run.directory, "config.json"))}
+  return runs, configs, _swept_fields(configs.values(), workdirs.base_config(workdir))
+
+
+def _swept_cells(config, swept):
+  """The run's value of each swept field as its rows hold it; "" for a setting it does not read
+  (another variant's), which is then no part of its name."""
+  flat = config_fields.flatten(config)
+  try:
+    skipped = unread.not_read(config)
+  except ValueError:  # a variant no longer registered: name it by every swept setting
+    skipped = {}
+  return {k: "" if unread.enclosing(k, skipped) else cell(flat[k]) for k in swept}
+
+
 def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
   """(rows, runs without rows): every evaluation of every run (with each row's loss by position),
   and (name, status) of the runs that have none. Writes DIR/results.csv (without the losses by
   position)."""
-  runs = workdirs.runs(workdir)
-  configs = {run.name: config_fields.load_saved(run.directory) for run in runs
-             if os.path.exists(os.path.join(run.directory, "config.json"))}
-  swept = _swept_fields(configs.values(), workdirs.base_config(workdir))
+  runs, configs, swept = _saved_configs(workdir)
   rows, without = [], []
   for run in runs:
     evaluations = eval_results.read(run.directory)
     if not evaluations:
       without.append((run.name, _status(workdir, run)))
       continue
-    config, flat = configs[run.name], config_fields.flatten(configs[run.name])
-    # A swept setting this run does not read (another variant's) is no part of its name.
-    try:
-      skipped = unread.not_read(config)
-    except ValueError:  # a variant no longer registered: name it by every swept setting
-      skipped = {}
+    config = configs[run.name]
+    swept_cells = _swept_cells(config, swept)
     for evaluation in evaluations:
       row = {"run": run.name, "attention": _attention_label(config),
              "position": config.model.position, "seed": config.train.seed,
@@ -89,7 +104,7 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
       row.update({k: cell(evaluation[k]) for k in eval_results.KEY if k in evaluation})
       row["split"] = eval_results.split(evaluation)
       row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
-      row.update({k: "" if unread.enclosing(k, skipped) else cell(flat[k]) for k in swept})
+      row.update(swept_cells)
       row["loss_by_position"] = evaluation["loss_by_position"]
       rows.append(row)
   columns = list(dict.fromkeys(k for row in rows for k in row if k != "loss_by_position"))
@@ -188,7 +203,29 @@ def write_summary(path, rows, not_done, metric, train_length, depth_rows=()):
 
 class Written(NamedTuple):
   files: list[str]  # the files written in the workdir: results.csv, summary.md, the figures
-  missing: list[str]  # the runs without results (pending, failed, skipped or not evaluated)
+  # The runs without results (pending, failed, skipped or not evaluated) and, where
+  # training_curves.png is drawn, the runs left out of it (no metrics.jsonl, or no step logged).
+  missing: list[str]
+
+
+def curves(workdir: str) -> tuple[list[training_curves.Curve], str, list[str]]:
+  """(curves, title, runs without a curve): the training curve of every run that has logged a
+  step (research.results.training_curves), labelled by its swept fields as its results rows
+  are; the figure's title; and the other runs."""
+  runs, configs, swept = _saved_configs(workdir)
+  found, without = [], []
+  for run in runs:
+    config = configs.get(run.name)
+    curve = None if config is None else training_curves.curve(
+        run.name, variant_label({"run": run.name, **_swept_cells(config, swept)}, swept),
+        run.directory, config)
+    if curve:
+      found.append(curve)
+    else:
+      without.append(run.name)
+  title = training_curves.title(workdir, [configs[c.run] for c in found],
+                                workdirs.is_sweep(workdir))
+  return found, title, without
 
 
 def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
@@ -231,7 +268,7 @@ def _write_figures(workdir, rows, depth_rows, config, metric, train_length):
 
 def write(workdir: str) -> Written:
   """results.csv, summary.md and the figures of a run or sweep directory, from its runs'
-  eval.json files."""
+  eval.json files, and training_curves.png from their metrics.jsonl files."""
   every_split, not_done = collect(workdir)
   every_split = eval_results.latest(every_split)
   # Summaries and figures show the validation split; MAD's table also reads the test split.
@@ -249,4 +286,12 @@ def write(workdir: str) -> Written:
     figures += mad_table.write(workdir, every_split, config.data.name)
   elif rows and width_table.applies(rows) and not data.is_language_modeling(config):
     figures += width_table.write(workdir, rows, metric)
-  return Written(["results.csv", "summary.md", *figures], [name for name, _ in not_done])
+  missing = [name for name, _ in not_done]
+  trained, title, untrained = curves(workdir)
+  if trained:  # drawn before any evaluation too: a run or sweep still training
+    from research.results import plots  # noqa: PLC0415 (matplotlib only when drawing)
+    plots.save(plots.training_curves(trained, title),
+               os.path.join(workdir, training_curves.FIGURE))
+    figures.append(training_curves.FIGURE)
+    missing += [name for name in untrained if name not in missing]
+  return Written(["results.csv", "summary.md", *figures], missing)

@@ -5,7 +5,7 @@ A workdir's identity is the set of fields that change training. Not part of it:
   - evaluation settings: eval.*, and the context extension of the rotary schemes
     (model.rope.scaling, its scaling_factor and original_length; the same in model.xpos and
     model.prope), which research.evaluation.extrapolation sets per evaluation length;
-  - how the run is carried out: logging, validation and checkpoint cadence, TensorBoard, the
+  - how the run is carried out: logging, validation and checkpoint cadence, the trackers, the
     mesh, the processes, where prepared data lives, and the softmax backend
     (model.attention_backend: every backend computes the same attention, so a run trained with
     xla may resume with auto, or move to cudnn on a GPU).
@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import ml_collections
 
 from research import defaults
+from research.data import tokenizer
 from research.model import positions
 from research import variants
 from research.defaults import flatten  # noqa: F401 (config_fields.flatten, as before)
@@ -41,7 +42,7 @@ ROTARY_SCALING_FIELDS = tuple(
 EVALUATION_FIELDS = ("eval",) + ROTARY_SCALING_FIELDS
 EXECUTION_FIELDS = ("train.log_every", "train.checkpoint_every", "train.keep_checkpoints",
                     "train.keep_checkpoints_at",
-                    "train.eval_every", "train.eval_batches", "train.tensorboard", "mesh",
+                    "train.eval_every", "train.eval_batches", "train.trackers", "mesh",
                     "distributed", "data.dir", "model.attention_backend", "model.moe.dispatch",
                     "model.remat")
 
@@ -107,13 +108,22 @@ def training_differences(saved: Mapping, current: ml_collections.ConfigDict,
 
 
 def load_saved(run_dir: str) -> ml_collections.ConfigDict:
-  """The config of the run in `run_dir`: its config.json over the current defaults."""
+  """The config of the run in `run_dir`: its config.json over the current defaults, with a
+  data.tokenizer inside the run (stored relative to it) as a path from here, so that a copied or
+  moved run reads its own (research.data.tokenizer.from_run)."""
   path = os.path.join(run_dir, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{run_dir} holds no run (no config.json); give a directory that "
                             "experiments.train or experiments.run wrote")
   with open(path) as f:
-    return merge_saved(json.load(f), path)
+    try:
+      saved = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path} is not valid JSON ({e}); restore it from a copy, or train the run "
+                       "again in a new --workdir") from e
+  config = merge_saved(saved, path)
+  config.data.tokenizer = tokenizer.from_run(config.data.tokenizer, run_dir)
+  return config
 
 
 def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
@@ -138,9 +148,13 @@ def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
 
 
 def closest_field(name: str, config: ml_collections.ConfigDict) -> str | None:
-  """`name` if `config` has that field, else the most similar field name, or None."""
+  """`name` if `config` has that field, else the field that replaced it (a migration's), else
+  the most similar field name, or None."""
   names = list(flatten(config))
   if name in names:
     return name
+  replacement, _ = migrations.replacements().get(name, (None, None))
+  if replacement in names:
+    return replacement
   matches = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
   return matches[0] if matches else None

@@ -6,10 +6,13 @@ config without one is version 1, the schema of every run written before versions
 A change that renames a field, moves it to another section or changes the form of its value
 bumps defaults.VERSION and adds a Migration to MIGRATIONS: `moved` {old dotted name: new dotted
 name} for a field whose value keeps its meaning, and `convert`, a function of the flat saved
-config giving it in the new form, for anything else (units, a field split in two). `migrate` applies, in order, every
-migration newer than the saved version. A field that is new with its default needs no migration:
-research.runs.config_fields reads a config without it at its default (or at what the variant
-declares its absence meant, `predated_settings`).
+config giving it in the new form, for anything else (units, a field split in two), with
+`replaced` {old dotted name: new dotted name} naming what it replaces. `migrate` applies, in
+order, every migration newer than the saved version. A field a migration moved or replaced is
+refused in a new config, naming its replacement (research.training.checks; on the command line,
+"did you mean": research.runs.config_fields.closest_field). A field that is new with its
+default needs no migration: research.runs.config_fields reads a config without it at its default
+(or at what the variant declares its absence meant, `predated_settings`).
 
 A field removed without a migration makes a saved config unreadable (config_fields refuses
 fields it does not know, naming them): remove one with a `convert` that checks the saved value
@@ -29,11 +32,33 @@ class Migration:
   description: str
   moved: Mapping[str, str] = dataclasses.field(default_factory=dict)
   convert: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+  replaced: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _trackers_from_tensorboard(flat: dict[str, Any]) -> dict[str, Any]:
+  """train.tensorboard=True is train.trackers=["tensorboard"]; False, no tracker."""
+  flat = dict(flat)
+  if "train.tensorboard" in flat:
+    flat["train.trackers"] = ["tensorboard"] if flat.pop("train.tensorboard") else []
+  return flat
 
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(2, "records `version`; no field renamed or moved"),
+    Migration(3, "train.tensorboard (a bool) replaced by train.trackers (tracker names)",
+              convert=_trackers_from_tensorboard,
+              replaced={"train.tensorboard": "train.trackers"}),
 )
+
+
+def replacements() -> dict[str, tuple[str, int]]:
+  """{old dotted name: (the field that replaced it today, the version that did)} of every field
+  a migration moved or replaced (following later moves of the new name)."""
+  found = {}
+  for migration in reversed(MIGRATIONS):
+    for old, new in {**migration.moved, **migration.replaced}.items():
+      found[old] = (found.get(new, (new,))[0], migration.version)
+  return found
 
 
 def saved_version(flat: Mapping[str, Any], source: str) -> int:
@@ -54,11 +79,12 @@ def migrate(flat: Mapping[str, Any], source: str) -> dict[str, Any]:
   for migration in MIGRATIONS:
     if migration.version <= version:
       continue
+    for old, new in {**migration.moved, **migration.replaced}.items():
+      if old in flat and new in flat:
+        raise ValueError(f"{source} has both {old!r} and {new!r}, which replaced it in config "
+                         f"version {migration.version}; keep one")
     for old, new in migration.moved.items():
       if old in flat:
-        if new in flat:
-          raise ValueError(f"{source} has both {old!r} and {new!r}, which replaced it in config "
-                           f"version {migration.version}; keep one")
         flat[new] = flat.pop(old)
     if migration.convert is not None:
       flat = migration.convert(flat)

@@ -15,6 +15,7 @@ non-matmul work XLA counts too.
 """
 
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -40,6 +41,14 @@ class CompiledStep:
   xla_flops: float  # all devices
   model_flops: float | None  # research.model.flops, where it counts this step
   compile_seconds: float
+  # The compiler's refusal when the step's temporaries exceed the device's memory (it then
+  # reports those alone: the other byte counts are 0).
+  out_of_memory: str | None = None
+
+  @property
+  def fits(self) -> bool | None:
+    """False where the compiler refused for memory; None: compare peak_bytes with the HBM."""
+    return False if self.out_of_memory else None
 
   @property
   def peak_bytes(self) -> int:
@@ -64,7 +73,17 @@ def described_devices(platform: str, what: str, needs: str, requirements: str,
 
 def _compile(name, shapes, jitted, args, num_devices, model_flops=None) -> CompiledStep:
   start = time.perf_counter()
-  compiled = jitted.lower(*args).compile()
+  try:
+    compiled = jitted.lower(*args).compile()
+  except Exception as e:  # noqa: BLE001 (XLA's runtime error; only its memory refusal is ours)
+    message = " ".join(str(e).split())
+    if "RESOURCE_EXHAUSTED" not in message:
+      raise
+    # "... the total memory required for HLO temporaries (31.88G) exceeds available HBM (15.75G)"
+    temporaries = re.search(r"temporaries \(([\d.]+)G\)", message)
+    temp_bytes = int(float(temporaries.group(1)) * 2**30) if temporaries else 0
+    return CompiledStep(name, shapes, 0, 0, 0, temp_bytes, 0.0, model_flops,
+                        time.perf_counter() - start, out_of_memory=message[:300])
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -134,8 +153,11 @@ def _decode_step(graphdef, params, rows, length, mesh) -> CompiledStep:
 def summary(step: CompiledStep, hbm_bytes: int) -> dict[str, Any]:
   """The step's numbers for a table or a JSON line, with the verdict against `hbm_bytes`."""
   gib = 2**30
-  fits = step.peak_bytes <= hbm_bytes
+  fits = step.peak_bytes <= hbm_bytes if step.fits is None else step.fits
   needs = f"does not fit (needs {step.peak_bytes / gib:.1f} GiB of {hbm_bytes / gib:.0f})"
+  if step.out_of_memory:
+    needs = (f"does not fit (the compiler: temporaries of {step.temp_bytes / gib:.1f} GiB exceed "
+             f"the memory left; {step.out_of_memory[:120]})")
   return {"step": step.name, "shapes": step.shapes, "argument_gib": step.argument_bytes / gib,
           "output_gib": step.output_bytes / gib, "alias_gib": step.alias_bytes / gib,
           "temp_gib": step.temp_bytes / gib, "peak_gib": step.peak_bytes / gib,

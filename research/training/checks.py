@@ -10,12 +10,14 @@ import ml_collections
 
 from research.runs import checkpoints
 from research.runs import config_fields
+from research.runs import migrations
 from research.runs import unread
 from research import data
 from research import defaults
 from research.model import transformer as model_lib
 from research.model import positions
 from research.model import sharding
+from research.training import trackers
 
 # Scalar fields: (field, is the value valid, what is valid).
 FIELD_RULES = (
@@ -47,6 +49,7 @@ def check_fields(config: ml_collections.ConfigDict, flat=None):
   """Raise ValueError naming every field of FIELD_RULES out of its range.
   `flat`: defaults.flatten(config), where the caller has it."""
   values = config_fields.flatten(config) if flat is None else flat
+  check_replaced_fields(values)
   problems = [f"{field}={values[field]!r} must be {valid}"
               for field, is_valid, valid in FIELD_RULES if not is_valid(values[field])]
   if problems:
@@ -137,15 +140,39 @@ def validate_config(config, num_devices, process_count=1, *, unread_settings=Non
   if not data.is_language_modeling(config) and t.seq_len not in config.eval.lengths:
     raise ValueError(f"for tasks, eval.lengths={tuple(config.eval.lengths)} must include "
                      f"train.seq_len={t.seq_len} (the validation split at the training length)")
-  if t.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-    raise ValueError("train.tensorboard=True needs the tensorboardX package (in requirements.txt; "
-                     "no TensorFlow needed); install it or set train.tensorboard=False")
+  if training:  # evaluating a run writes to no tracker
+    check_trackers(t.trackers)
   if config.eval.batch_size % batch_parallel:
     raise ValueError(f"eval.batch_size={config.eval.batch_size} must be a multiple of the "
                      f"data-parallel size data*fsdp={batch_parallel}")
   unread.check(config, unread_settings if unread_settings is not None
                else unread.unread_settings(config, flat=flat, memo=memo))
   return shape
+
+
+def check_trackers(names):
+  """train.trackers: each a registered tracker (research.training.trackers), once, with its
+  package installed."""
+  unknown = [n for n in names if n not in trackers.REGISTRY]
+  if unknown:
+    raise ValueError(f"unknown train.trackers {unknown}; valid: {', '.join(trackers.REGISTRY)}")
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(f"train.trackers names {repeated} more than once; name each tracker once")
+  for name in names:
+    tracker = trackers.REGISTRY[name]
+    if importlib.util.find_spec(tracker.module) is None:
+      raise ValueError(f"train.trackers has {name!r}, which needs the {tracker.module} package: "
+                       f".venv/bin/pip install -r {tracker.requirements}")
+
+
+def check_replaced_fields(values):
+  """A field that a migration moved or replaced (research/runs/migrations.py) is refused in a
+  new config, naming its replacement: set there, it would be silently ignored."""
+  stale = [f"{old} was replaced by {new} in config version {version}"
+           for old, (new, version) in migrations.replacements().items() if old in values]
+  if stale:
+    raise ValueError("; ".join(stale) + " (research/runs/migrations.py); set the new field")
 
 
 def check_workdir(workdir, config: ml_collections.ConfigDict):

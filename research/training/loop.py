@@ -261,7 +261,7 @@ def _train(config, workdir, mesh, is_writer):
   model_for_flops = nnx.merge(graphdef, jax.eval_shape(lambda: state["params"]))
   flops_per_token = flops.train_flops_per_token(model_for_flops, t.seq_len)
   peak = flops.total_peak_flops()
-  writer = MetricWriter(workdir, enabled=is_writer, tensorboard=t.tensorboard, resume_step=start)
+  writer = MetricWriter(workdir, config, enabled=is_writer, resume_step=start)
   if is_writer and start == t.num_steps and not initialised:
     print(f"{workdir} is trained to step {start} already; to evaluate it at other lengths or "
           f"scalings: python -m experiments.evaluate --workdir={workdir} "

@@ -1,22 +1,26 @@
 """Metrics output: metrics.jsonl (one JSON object per logged step), a progress line with ETA,
-and optional TensorBoard event files (tensorboardX: no TensorFlow needed)."""
+and the trackers of train.trackers (research.training.trackers: TensorBoard, Weights & Biases)."""
 
 import json
 import os
 
+from research.training import trackers
+
 
 class MetricWriter:
+  """One interface for every output of the logged steps: each record goes to the trackers, then
+  to metrics.jsonl, then to the progress line, so a run killed at any point leaves a tracker
+  that writes as it is called (TensorBoard's) holding every step metrics.jsonl holds. `enabled`:
+  whether this process writes (one of a multi-process run does); `resume_step`: the step the run
+  resumes from (records after it in metrics.jsonl are dropped: the run logs them again)."""
 
-  def __init__(self, workdir, *, enabled=True, tensorboard=False, resume_step=0):
+  def __init__(self, workdir, config, *, enabled=True, resume_step=0):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     if enabled and os.path.exists(self.path):
       self._drop_records_after(resume_step)
-    self.tensorboard = None
-    if enabled and tensorboard:
-      from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional; checked in research.training.checks)
-
-      self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.trackers = [trackers.REGISTRY[name](workdir, config, resume_step)
+                     for name in config.train.trackers] if enabled else []
 
   def _drop_records_after(self, step):
     """Records logged after the checkpoint a run resumes from are logged again: drop them."""
@@ -28,20 +32,18 @@ class MetricWriter:
   def write(self, record, *, eta_seconds, num_steps):
     if not self.enabled:
       return
+    for tracker in self.trackers:
+      tracker.write(record)
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
-    if self.tensorboard is not None:
-      for key, value in record.items():
-        if key != "step":
-          self.tensorboard.add_scalar(key, value, record["step"])
     extra = f" val {record['validation_loss']:.4f}" if "validation_loss" in record else ""
     print(f"step {record['step']}/{num_steps}  loss {record['loss']:.4f}{extra}  "
           f"lr {record['learning_rate']:.2e}  {record['tokens_per_second']:,.0f} tok/s  "
           f"mfu {100 * record['mfu']:.1f}%  eta {_duration(eta_seconds)}", flush=True)
 
   def close(self):
-    if self.tensorboard is not None:
-      self.tensorboard.close()
+    for tracker in self.trackers:
+      tracker.close()
 
 
 def _duration(seconds):

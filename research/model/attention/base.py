@@ -15,7 +15,8 @@ A mixer maps [batch, length, d_model] to the same shape, causally. It supports
   * `mixing_flops_per_token(context_length)`: forward FLOPs per token that are not parameter
     matmuls (those are counted as 2 per parameter by `research.model.flops`).
 It calls the position scheme's hooks unconditionally (research/model/positions/base.py) and declares
-in `position_hooks` which of {qk, bias} it can honour (the embedding hook is the model's); its
+in `position_hooks` which of {qk, bias, context} it can honour (the embedding hook is the
+model's; context: a contextual score over each query's whole row, CoPE); its
 hyperparameters are `hyperparameters` (defaults), read from the config sub-dict given at
 registration (research/model/registry.py) and checked by `validate`.
 """
@@ -42,7 +43,8 @@ class Mixer(nnx.Module):
   # tiny model fast, and a chunked form's chunk small enough that the test length spans at
   # least three chunks (see `chunk_length`).
   test_settings = {}
-  # Position hooks this mixer applies besides the model's embedding term: a subset of {qk, bias}.
+  # Position hooks this mixer applies besides the model's embedding term: a subset of
+  # {qk, bias, context}.
   position_hooks = frozenset()
   # Values of model.attention_backend this mixer implements; () if it has a single path.
   backends = ()

@@ -8,7 +8,7 @@ K/V are never repeated in memory. KV cache bytes = 2 * K * head_dim * bytes_per_
 * batch per layer.
 
 All of it runs through the public attention core (research.model.attention.core.attend: backends
-xla, blockwise, cudnn and auto, model.attention_backend) and its KV cache
+xla, blockwise, cudnn, pallas, splash and auto, model.attention_backend) and its KV cache
 (research.model.attention.kv_cache.KVCache): the scheme's bias is the core's ScoreMod, the window
 and sinks its MaskSpec. A subclass changes what it projects (`project`), what its score function
 reads per token (`score_inputs`) and the score itself (`score_bias`), and keeps every backend,
@@ -30,7 +30,7 @@ p(i) - max(0, d(i) - (S + W - 1)) (masks.cache_positions): for a qk scheme the q
 at c(i), for a bias scheme the bias is taken at (c(i), p(s)); the window's pairs keep their
 positions, which for any scheme of the distance alone is StreamingLLM's arithmetic. The same in
 training, evaluation (xla, blockwise) and decoding. "original" keeps every token at its own
-position (the code before the setting; configs saved before it mean "original").
+position (what configs saved before the setting existed mean: research/runs/config_fields.py).
 """
 
 import jax

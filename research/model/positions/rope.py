@@ -50,6 +50,7 @@ import math
 
 import jax.numpy as jnp
 
+from research.model import registry
 from research.model.positions import base
 
 SCALINGS = ("none", "pi", "static_ntk", "dynamic_ntk", "yarn", "llama3")
@@ -129,7 +130,9 @@ class RoPE(base.PositionScheme):
     if settings.base <= 1:
       raise ValueError(f"the rotary base must be > 1, got {settings.base} (10000 is usual)")
     if settings.scaling not in SCALINGS:
-      raise ValueError(f"unknown rotary scaling {settings.scaling!r}; valid: {', '.join(SCALINGS)}")
+      raise ValueError(f"unknown rotary scaling {settings.scaling!r} (the scheme's scaling field, "
+                       f"e.g. model.rope.scaling){registry.did_you_mean(settings.scaling, SCALINGS)}"
+                       f"; valid: {', '.join(SCALINGS)}")
     if settings.scaling_factor < 1:
       raise ValueError(f"the rotary scaling_factor must be >= 1, got {settings.scaling_factor}")
     if settings.original_length < 1:
