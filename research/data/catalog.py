@@ -13,6 +13,7 @@
 
 import dataclasses
 import functools
+import logging
 import socket
 import threading
 from typing import Callable
@@ -91,6 +92,18 @@ def eval_depths(config) -> tuple:
   """The needle depths evaluated at each length: eval.depths for the needle tasks, else (None,)."""
   check_name(config.data.name)
   return tuple(config.eval.depths) if config.data.name in NEEDLE_NAMES else (None,)
+
+
+class _WithoutCustomConfigWarning(logging.Filter):
+  """Drops TFDS's warning for a builder config made at run time ("Using custom data
+  configuration: ..."), printed on every command: every local dataset here is one by design
+  (its config is derived from the run's settings), so the line says nothing."""
+
+  def filter(self, record):
+    return "Using custom data configuration" not in str(record.msg)
+
+
+logging.getLogger("absl").addFilter(_WithoutCustomConfigWarning())  # TFDS logs through absl
 
 
 def _local(builder_cls, name, builder_config, **kwargs):

@@ -46,7 +46,7 @@ from research.training import preemption
 from research.model import transformer as model_lib
 from research.model import sharding
 from research.runs import lock as workdir_lock
-from research.training.metrics import MetricWriter
+from research.training.metrics import MetricWriter, duration
 
 class NonFiniteLossError(RuntimeError):
   pass
@@ -262,6 +262,11 @@ def _train(config, workdir, mesh, is_writer):
   flops_per_token = flops.train_flops_per_token(model_for_flops, t.seq_len)
   peak = flops.total_peak_flops()
   writer = MetricWriter(workdir, config, enabled=is_writer, resume_step=start)
+  if is_writer and start < t.num_steps:
+    print(f"{workdir}: {model_lib.count_params(model_for_flops) / 1e6:.2f}M parameters, "
+          f"{jax.device_count()} {jax.default_backend()} device(s), mesh (data, fsdp, tensor) = "
+          f"{tuple(mesh.shape.values())}, steps {start + 1}..{t.num_steps} of {t.batch_size} x "
+          f"{t.seq_len} tokens; writes config.json, metrics.jsonl, checkpoints/", flush=True)
   if is_writer and start == t.num_steps and not initialised:
     print(f"{workdir} is trained to step {start} already; to evaluate it at other lengths or "
           f"scalings: python -m experiments.evaluate --workdir={workdir} "
@@ -332,4 +337,8 @@ def _train(config, workdir, mesh, is_writer):
     manager.close()
     writer.close()
     stop.raise_if_stopped(done)
+  if is_writer and done > start:
+    outputs = ", ".join([f"checkpoint {done}", "metrics.jsonl", *t.trackers])
+    print(f"trained {workdir} to step {done} in {duration(time.perf_counter() - writer.started)}: "
+          f"{outputs}", flush=True)
   return state

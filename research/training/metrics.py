@@ -1,8 +1,10 @@
-"""Metrics output: metrics.jsonl (one JSON object per logged step), a progress line with ETA,
+"""Metrics output: metrics.jsonl (one JSON object per logged step), a progress line with the
+elapsed time and the ETA,
 and the trackers of train.trackers (research.training.trackers: TensorBoard, Weights & Biases)."""
 
 import json
 import os
+import time
 
 from research.training import trackers
 
@@ -16,6 +18,7 @@ class MetricWriter:
 
   def __init__(self, workdir, config, *, enabled=True, resume_step=0):
     self.enabled = enabled
+    self.started = time.perf_counter()  # this process's start: the progress line's elapsed time
     self.path = os.path.join(workdir, "metrics.jsonl")
     if enabled and os.path.exists(self.path):
       self._drop_records_after(resume_step)
@@ -39,13 +42,14 @@ class MetricWriter:
     extra = f" val {record['validation_loss']:.4f}" if "validation_loss" in record else ""
     print(f"step {record['step']}/{num_steps}  loss {record['loss']:.4f}{extra}  "
           f"lr {record['learning_rate']:.2e}  {record['tokens_per_second']:,.0f} tok/s  "
-          f"mfu {100 * record['mfu']:.1f}%  eta {_duration(eta_seconds)}", flush=True)
+          f"mfu {100 * record['mfu']:.1f}%  elapsed {duration(time.perf_counter() - self.started)}"
+          f"  eta {duration(eta_seconds)}", flush=True)
 
   def close(self):
     for tracker in self.trackers:
       tracker.close()
 
 
-def _duration(seconds):
+def duration(seconds):
   minutes, seconds = divmod(int(seconds), 60)
   return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
