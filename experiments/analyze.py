@@ -1,8 +1,7 @@
 """What the heads of a trained run (or of every finished run of a sweep) do, from its checkpoints.
 
-  python -m experiments.analyze --workdir=runs/demo/runs/mha_rope --analysis=attention_maps
-  python -m experiments.analyze --workdir=runs/demo/runs/mha_rope --analysis=attention_maps \
-      --text='def main(argv):'
+  python -m experiments.analyze --workdir='runs/demo/runs/attention=mha,position=rope' \
+      --analysis=attention_maps [--text='def main(argv):']
   python -m experiments.analyze --workdir=runs/heads --analysis=induction,attention_maps
   python -m experiments.analyze --workdir=runs/demo --analysis=explanation
   python -m experiments.analyze --workdir=runs/gqa --analysis=uptraining,head_importance

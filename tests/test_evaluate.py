@@ -159,3 +159,18 @@ def test_a_short_evaluation_runs_no_idle_rows(mesh_shape, lengths, expected):
   sums = evaluate.row_sums(eval_step, None, iter(batches), sharding.make_mesh(mesh_shape), 8)
   assert seen == expected
   assert len(sums["rows"]["tokens"]) == sum(lengths)
+
+
+def test_progress_scores_say_what_applies_to_the_task():
+  """Language modeling: loss, perplexity and, on bytes, bits per byte (no exact-match column);
+  tasks: accuracy and exact match; a point interval (one window) is said."""
+  from configs import base  # noqa: PLC0415
+  from research.evaluation import extrapolation  # noqa: PLC0415
+  metrics = {"loss": math.log(2) * 1.5, "perplexity": 2.83, "accuracy": 0.5, "exact_match": 0.25,
+             "sequences": 4}
+  config = base.get_config()
+  line = extrapolation._scores(config, metrics)
+  assert "bits/byte 1.500" in line and "exact" not in line and "interval" not in line, line
+  config.data.name = "mqar"
+  line = extrapolation._scores(config, dict(metrics, sequences=1))
+  assert "acc 0.500  exact 0.250" in line and "ppl" not in line and "is a point" in line, line

@@ -223,6 +223,8 @@ def pruning(rows: list[dict], importance_LxN: np.ndarray, metric: str,
   image = heat.imshow(importance_LxN, cmap="magma", aspect="auto")
   heat.set_xlabel("head")
   heat.set_ylabel("layer")
+  heat.set_xticks(range(importance_LxN.shape[1]))  # whole heads and layers, not 0.5 steps
+  heat.set_yticks(range(importance_LxN.shape[0]))
   heat.set_title("importance (normalised per layer)", fontsize=9)
   fig.colorbar(image, ax=heat)
   fig.suptitle(f"{title}: head pruning (arXiv:1905.10650)", fontsize=9)

@@ -25,6 +25,7 @@ devices evaluates on 1, to the same losses.
 import copy
 import functools
 import itertools
+import math
 from typing import Callable
 
 import jax
@@ -99,6 +100,22 @@ def _row_sums(config, eval_step, params, mesh, split, length, mode, depths):
   return sums
 
 
+def _scores(config, metrics) -> str:
+  """A progress line's scores: loss and perplexity for language modeling (with bits per byte for
+  a byte-level corpus: loss / ln 2), accuracy and exact match for tasks; a note where the 95%
+  interval is a point, from one window or example."""
+  if data.is_language_modeling(config):
+    scores = f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}"
+    if config.data.tokenizer == "bytes":
+      scores += f"  bits/byte {metrics['loss'] / math.log(2):.3f}"
+  else:
+    scores = (f"loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
+              f"exact {metrics['exact_match']:.3f}")
+  if metrics["sequences"] == 1:
+    scores += "  (one window or example: its interval is a point)"
+  return scores
+
+
 def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
                  progress: Callable[[str], None] = functools.partial(print, flush=True)
                  ) -> list[dict]:
@@ -141,8 +158,6 @@ def evaluate_run(config: ml_collections.ConfigDict, workdir: str,
         new.append({**settings, **metrics, "state_bytes": state_bytes[scaling, length]})
         at = "" if depth is None else f" depth {depth:<5}"
         progress(f"  eval {split:<10} {length:>6} {mode:<15} rope_scaling={scaling:<11}{at} "
-                 f"loss {metrics['loss']:.4f}  ppl {metrics['perplexity']:.3f}  "
-                 f"acc {metrics['accuracy']:.3f}  exact {metrics['exact_match']:.3f}  "
-                 f"(step {step})")
+                 f"{_scores(config, metrics)}  (step {step})")
       rows += eval_results.append(workdir, new)
   return rows
