@@ -79,3 +79,13 @@ def test_relative_links_in_the_docs_reach_a_file_and_a_heading():
       elif anchor and resolved.endswith(".md") and anchor not in _anchors(resolved):
         broken.append(f"{page}: {target} (no heading with anchor #{anchor})")
   assert checked > 100 and broken == [], broken
+
+
+def test_variants_fields_lists_every_config_field_with_its_default(capsys):
+  from experiments import variants as variants_command  # noqa: PLC0415
+  variants_command.print_fields()
+  lines = capsys.readouterr().out.splitlines()
+  names = [line.split()[0] for line in lines]
+  assert sorted(names) == sorted(defaults.flatten(defaults.get_config()))
+  window = next(line for line in lines if line.startswith("model.softmax.window "))
+  assert "read by mha, mqa, gqa" in window, window
