@@ -443,3 +443,18 @@ def test_init_from_converts_a_finished_mha_run_to_gqa_and_refuses_other_models(t
     train.train_and_evaluate(sweep.apply_overrides(config, {"model.d_model": 64}),
                              str(tmp_path / "bad"))
   assert not os.path.exists(tmp_path / "bad" / "config.json")
+
+
+def test_every_failing_check_is_named_in_one_message():
+  """Independent checks each name their problem in the one error, not only the first."""
+  from research.training import checks  # noqa: PLC0415
+  config = tiny_config.get_config()
+  config.train.warmup_steps = 100
+  config.train.log_every, config.train.eval_every = 2, 3
+  config.eval.rope_scalings = ("yarnn",)
+  with pytest.raises(ValueError) as raised:
+    checks.validate_config(config, num_devices=1)
+  message = str(raised.value)
+  for phrase in ("train.warmup_steps=100 must be in", "train.eval_every=3 must be a multiple",
+                 "unknown eval.rope_scalings ['yarnn']"):
+    assert phrase in message, message

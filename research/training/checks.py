@@ -93,61 +93,98 @@ def validate_config(config, num_devices, process_count=1, *, unread_settings=Non
   mesh need not split train.batch_size (the run may be read on other devices than it trained
   on)."""
   memo = memo or _UNMEMOISED
-  check_fields(config, flat)
-  memo.run(model_lib.validate, config.model)
-  memo.run(model_lib.validate_lengths, config.model, config.train.seq_len, config.eval.lengths,
-           reads=(config.train.seq_len, config.eval.lengths))
+  problems = _Problems()
+  problems.run(check_fields, config, flat)
+  if problems.run(memo.run, model_lib.validate, config.model):
+    problems.run(memo.run, model_lib.validate_lengths, config.model, config.train.seq_len,
+                 config.eval.lengths, reads=(config.train.seq_len, config.eval.lengths))
   unknown = [s for s in config.eval.rope_scalings if s not in positions.SCALINGS]
   if unknown:
-    raise ValueError(f"unknown eval.rope_scalings {unknown}; valid: {', '.join(positions.SCALINGS)}")
-  data.validate(config)
-  needed = data.vocab_size(config)
-  if config.model.vocab_size < needed:
-    raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
-                     f"{needed} tokens of data.name={config.data.name!r}; use >= {needed}")
+    problems.add(f"unknown eval.rope_scalings {unknown}; valid: {', '.join(positions.SCALINGS)}")
+  data_valid = problems.run(data.validate, config)
+  if data_valid and config.model.vocab_size < data.vocab_size(config):
+    needed = data.vocab_size(config)
+    problems.add(f"model.vocab_size={config.model.vocab_size} is smaller than the {needed} "
+                 f"tokens of data.name={config.data.name!r}; use >= {needed}")
   t = config.train
   outside = [s for s in t.keep_checkpoints_at
              if not (isinstance(s, int) and 1 <= s <= t.num_steps)]
   if outside:
-    raise ValueError(f"train.keep_checkpoints_at has steps {outside} outside 1..train.num_steps="
-                     f"{t.num_steps}; give integer steps in that range, or () for none")
+    problems.add(f"train.keep_checkpoints_at has steps {outside} outside 1..train.num_steps="
+                 f"{t.num_steps}; give integer steps in that range, or () for none")
   if training and t.num_steps == 0 and not t.init_from:
-    raise ValueError("train.num_steps=0 must be >= 1 (0 only with train.init_from: the "
-                     "converted model of another run, evaluated without training); to fine-tune "
-                     "a run (an imported checkpoint's too): --config=configs/finetune.py:RUN")
+    problems.add("train.num_steps=0 must be >= 1 (0 only with train.init_from: the converted "
+                 "model of another run, evaluated without training); to fine-tune a run (an "
+                 "imported checkpoint's too): --config=configs/finetune.py:RUN")
   if t.num_steps and not 0 <= t.warmup_steps < t.num_steps:
-    raise ValueError(f"train.warmup_steps={t.warmup_steps} must be in [0, num_steps="
-                     f"{t.num_steps}); the cosine decay needs at least one step after warmup")
-  shape = sharding.mesh_shape(config.mesh.shape, num_devices)
-  batch_parallel = shape[0] * shape[1]
-  micro_batch, remainder = divmod(t.batch_size, t.grad_accum_steps)
-  # Evaluation runs no training batch: a run evaluates on a mesh that may not split it.
-  if training and (remainder or micro_batch % batch_parallel):
-    raise ValueError(
-        f"train.batch_size={t.batch_size} / grad_accum_steps={t.grad_accum_steps} must be a "
-        f"whole multiple of the data-parallel size data*fsdp={batch_parallel} (mesh {shape}); "
-        f"valid batch sizes are multiples of {batch_parallel * t.grad_accum_steps}")
+    problems.add(f"train.warmup_steps={t.warmup_steps} must be in [0, num_steps="
+                 f"{t.num_steps}); the cosine decay needs at least one step after warmup")
+  shape = problems.run(sharding.mesh_shape, config.mesh.shape, num_devices, value=True)
+  if shape is not None:
+    batch_parallel = shape[0] * shape[1]
+    micro_batch, remainder = divmod(t.batch_size, t.grad_accum_steps)
+    # Evaluation runs no training batch: a run evaluates on a mesh that may not split it.
+    if training and (remainder or micro_batch % batch_parallel):
+      problems.add(
+          f"train.batch_size={t.batch_size} / grad_accum_steps={t.grad_accum_steps} must be a "
+          f"whole multiple of the data-parallel size data*fsdp={batch_parallel} (mesh {shape}); "
+          f"valid batch sizes are multiples of {batch_parallel * t.grad_accum_steps}")
+    if config.eval.batch_size % batch_parallel:
+      problems.add(f"eval.batch_size={config.eval.batch_size} must be a multiple of the "
+                   f"data-parallel size data*fsdp={batch_parallel}")
   if training and t.batch_size % process_count:
-    raise ValueError(f"train.batch_size={t.batch_size} must be divisible by the number of "
-                     f"processes ({process_count})")
+    problems.add(f"train.batch_size={t.batch_size} must be divisible by the number of "
+                 f"processes ({process_count})")
   if t.eval_every and t.eval_every % t.log_every:
-    raise ValueError(f"train.eval_every={t.eval_every} must be a multiple of train.log_every="
-                     f"{t.log_every} (validation is reported with the logged step), or 0")
+    problems.add(f"train.eval_every={t.eval_every} must be a multiple of train.log_every="
+                 f"{t.log_every} (validation is reported with the logged step), or 0")
   # Validation at the training length runs at the end of training: make sure it can.
-  if data.is_language_modeling(config) and config.eval.num_tokens < t.seq_len:
-    raise ValueError(f"eval.num_tokens={config.eval.num_tokens} must be >= train.seq_len="
-                     f"{t.seq_len} for the validation loss at the training length")
-  if not data.is_language_modeling(config) and t.seq_len not in config.eval.lengths:
-    raise ValueError(f"for tasks, eval.lengths={tuple(config.eval.lengths)} must include "
-                     f"train.seq_len={t.seq_len} (the validation split at the training length)")
+  if data_valid and data.is_language_modeling(config) and config.eval.num_tokens < t.seq_len:
+    problems.add(f"eval.num_tokens={config.eval.num_tokens} must be >= train.seq_len="
+                 f"{t.seq_len} for the validation loss at the training length")
+  if data_valid and not data.is_language_modeling(config) and (
+      t.seq_len not in config.eval.lengths):
+    problems.add(f"for tasks, eval.lengths={tuple(config.eval.lengths)} must include "
+                 f"train.seq_len={t.seq_len} (the validation split at the training length)")
   if training:  # evaluating a run writes to no tracker
-    check_trackers(t.trackers)
-  if config.eval.batch_size % batch_parallel:
-    raise ValueError(f"eval.batch_size={config.eval.batch_size} must be a multiple of the "
-                     f"data-parallel size data*fsdp={batch_parallel}")
-  unread.check(config, unread_settings if unread_settings is not None
-               else unread.unread_settings(config, flat=flat, memo=memo))
+    problems.run(check_trackers, t.trackers)
+  if not problems.errors:  # which settings a run reads is asked of a valid config
+    unread.check(config, unread_settings if unread_settings is not None
+                 else unread.unread_settings(config, flat=flat, memo=memo))
+  problems.raise_if_any()
   return shape
+
+
+class _Problems:
+  """The ValueErrors of checks that do not depend on each other, so that one message names every
+  problem of a config rather than the first (a check that needs another's result runs only when
+  that one passed)."""
+
+  def __init__(self):
+    self.errors = []
+
+  def run(self, check, *args, value=False, **kwargs):
+    """check(*args, **kwargs): True when it passed (with value=True its result, None when it
+    failed), its ValueError recorded otherwise."""
+    try:
+      result = check(*args, **kwargs)
+    except ValueError as e:
+      self.errors.append(e)
+      return None if value else False
+    return result if value else True
+
+  def add(self, message: str):
+    self.errors.append(ValueError(message))
+
+  def raise_if_any(self):
+    """The one error as it was raised (a sweep skips an IncompatibleError), or all of them in one
+    message, of the first one's kind where that is an incompatible pair."""
+    if len(self.errors) == 1:
+      raise self.errors[0]
+    if self.errors:
+      first = self.errors[0]
+      kind = type(first) if isinstance(first, model_lib.IncompatibleError) else ValueError
+      raise kind("; ".join(str(e) for e in self.errors)) from first
 
 
 def check_trackers(names):
