@@ -251,10 +251,14 @@ def test_accelerator_check_fits_its_budget_and_its_model_is_125m():
     if "experiments.bench" in command:
       bench.parse_args(command[command.index("experiments.bench") + 1:])
   config = model_125m.get_config("mfu")
-  assert config.model.attention_backend == "cudnn"  # refused on CPU; the parameters are the same
-  model_config = config.model.copy_and_resolve_references()
-  model_config.attention_backend = "xla"
-  model = nnx.eval_shape(lambda: model_lib.build_model(model_config, rngs=nnx.Rngs(0)))
+  # `auto`: cuDNN's fused attention on a GPU, Splash on a TPU, at the preset's length and dtype.
+  assert config.model.attention_backend == "auto"
+  from research.model.attention import core  # noqa: PLC0415
+  with jax.default_matmul_precision("default"):  # not the suite's float32 passes (conftest)
+    for platform, backend in (("gpu", "cudnn"), ("tpu", "splash")):
+      assert core.auto_backend(config.train.seq_len, compute_dtype=jax.numpy.bfloat16,
+                               platform=platform) == backend
+  model = nnx.eval_shape(lambda: model_lib.build_model(config.model, rngs=nnx.Rngs(0)))
   assert 120e6 < model_lib.count_params(model) < 130e6
   assert config.train.seq_len == 2048 and config.model.compute_dtype == "bfloat16"
 
