@@ -143,7 +143,8 @@ def pytest_sessionfinish(session, exitstatus):
 LONGEST_FILES = ("test_conformance.py",  # ~265 s
                  "test_train.py", "test_bench.py",  # ~130-150 s each
                  "test_kernels.py", "test_sweep.py", "test_pretrained.py",  # ~75-95 s each
-                 "test_lost_process.py", "test_workflow.py", "test_streaming_sinks.py")  # ~50 s
+                 "test_lost_process.py", "test_workflow.py", "test_streaming_sinks.py",  # ~50 s
+                 "test_preemption.py", "test_tracking.py")  # ~30-40 s
 
 
 def _variant(item):
