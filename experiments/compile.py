@@ -131,11 +131,14 @@ def _mixer_table(base_config, overrides, devices, hbm, log) -> list[str]:
         step, = aot.compile_steps(config, mesh, steps=("train",))
         row = aot.summary(step, hbm)
         log(f"{name} ({position}, remat {policy}): {_line(row)}")
-        ratio = f"{row['xla_tflops'] / row['model_tflops']:.2f}" if row["model_tflops"] else ""
+        refused = step.out_of_memory is not None  # the compiler gave the temporaries alone
+        ratio = (f"{row['xla_tflops'] / row['model_tflops']:.2f}"
+                 if row["model_tflops"] and not refused else "")
+        arguments, peak = ("", "") if refused else (f"{row['argument_gib']:.2f}",
+                                                    f"{row['peak_gib']:.2f}")
         lines.append(f"| {name} | {position} | {config_params(config) / 1e6:.1f}M | {policy} | "
-                     f"{row['argument_gib']:.2f} | {row['temp_gib']:.2f} | "
-                     f"{row['peak_gib']:.2f} | {row['verdict']} | {ratio} | "
-                     f"{row['compile_seconds']:.0f} |")
+                     f"{arguments} | {row['temp_gib']:.2f} | {peak} | {row['verdict']} | "
+                     f"{ratio} | {row['compile_seconds']:.0f} |")
         if row["fits"]:
           break
     except Exception as e:  # noqa: BLE001 (a mixer that cannot run this preset: its reason)

@@ -156,8 +156,9 @@ def summary(step: CompiledStep, hbm_bytes: int) -> dict[str, Any]:
   fits = step.peak_bytes <= hbm_bytes if step.fits is None else step.fits
   needs = f"does not fit (needs {step.peak_bytes / gib:.1f} GiB of {hbm_bytes / gib:.0f})"
   if step.out_of_memory:
-    needs = (f"does not fit (the compiler: temporaries of {step.temp_bytes / gib:.1f} GiB exceed "
-             f"the memory left; {step.out_of_memory[:120]})")
+    left = re.search(r"available HBM \(([\d.]+)G\)", step.out_of_memory)
+    needs = (f"does not fit (the compiler: temporaries need {step.temp_bytes / gib:.1f} GiB"
+             + (f", {left.group(1)} GiB left)" if left else ")"))
   return {"step": step.name, "shapes": step.shapes, "argument_gib": step.argument_bytes / gib,
           "output_gib": step.output_bytes / gib, "alias_gib": step.alias_bytes / gib,
           "temp_gib": step.temp_bytes / gib, "peak_gib": step.peak_bytes / gib,
