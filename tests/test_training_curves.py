@@ -127,8 +127,8 @@ def test_a_sweep_draws_one_line_per_logged_member_and_names_the_others(sweep_dir
       (names[0], "mha / alibi / seq_len=32", 8 * 32),
       (names[1], "mha / alibi / seq_len=32", 8 * 32),
       (names[2], "mha / rope / seq_len=64", 8 * 64)]
-  assert title == ("Training loss of sweep sweep0 (3 runs) on stdlib_bytes: 4 steps of 8 "
-                   "sequences x 32/64 tokens")
+  assert title == (f"Training loss of sweep {os.path.basename(workdir)} (3 runs) on "
+                   "stdlib_bytes: 4 steps of 8 sequences x 32/64 tokens")
   figure = plots.training_curves(curves, title)
   by_step, by_tokens = _lines(figure)
   for index, name in enumerate(names[:3]):
