@@ -142,6 +142,9 @@ def extrapolation(rows: list[dict], metric: str,
     ax.set_ylabel(metric)
     ax.set_title(f"{mode} evaluation")
     ax.grid(alpha=0.3, which="both")
+  fig.suptitle(f"{metric} against evaluation length, trained at {train_length} tokens: lines the "
+               "mean over seeds, bands each seed's 95% bootstrap interval and the seeds' spread",
+               fontsize=9)
   _legend_below(fig, axes)
   return fig
 
