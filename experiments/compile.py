@@ -98,11 +98,6 @@ def _config(base_config, overrides):
   return unread.for_run_of_experiment(base_config, overrides, log=lambda line: None)
 
 
-def _check(config, num_devices):
-  checks.validate_config(config, num_devices)
-  return sharding.mesh_shape(config.mesh.shape, num_devices)
-
-
 def _mixer_config(base_config, overrides, name):
   """`base_config` with model.attention=`name`, and the base's position scheme where the mixer
   honours it, else "none" (recurrent mixers take no rotary scheme): (config, position)."""
@@ -124,7 +119,7 @@ def _mixer_table(base_config, overrides, devices, hbm, log) -> list[str]:
   for name in attention.REGISTRY:
     try:
       config, position = _mixer_config(base_config, overrides, name)
-      mesh = sharding.make_mesh(_check(config, len(devices)), devices)
+      mesh = sharding.make_mesh(checks.validate_config(config, len(devices)), devices)
       policies = [config.model.remat] + [p for p in REMAT_FALLBACKS if p != config.model.remat]
       for policy in policies:
         config.model.remat = policy
@@ -186,7 +181,7 @@ def main(argv):
 def _compile(description, devices, hbm):
   overrides = config_flags.get_override_values(flags.FLAGS["config"])
   config = _config(_CONFIG.value, overrides)
-  shape = _check(config, len(devices))  # before anything compiles
+  shape = checks.validate_config(config, len(devices))  # before anything compiles
   print(f"{description}: {len(devices)} x {devices[0].device_kind}, "
         f"{hbm / 2**30:.0f} GiB HBM each; mesh (data, fsdp, tensor) = {shape}; "
         f"{config_params(config) / 1e6:.1f}M parameters, {config.model.compute_dtype}", flush=True)
