@@ -1,8 +1,8 @@
-"""The README's "Add a variant" example, executed as written: a softmax-family mixer with values
-wider than its queries and keys, and a position scheme with parameters that reads its geometry
-from the mixer, each one file and one registry line, get the conformance suite, both CPU
-backends, windows with sinks, packed documents and decoding (packed documents too) with no
-other edit."""
+"""The worked examples of adding a variant, executed as written: README's "Add a variant" (a
+softmax-family mixer with values wider than its queries and keys) and docs/architecture.md's
+"How to add a variant" (a position scheme with parameters that reads its geometry from the
+mixer), each one file and one registry line, get the conformance suite, both CPU backends,
+windows with sinks, packed documents and decoding (packed documents too) with no other edit."""
 
 import os
 import re
@@ -19,24 +19,30 @@ from research.model import attention, positions
 from tests import test_conformance
 from tests.conftest import tiny_model_config
 
-README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+EXAMPLES = {"README.md": "## Add a variant", "docs/architecture.md": "## How to add a variant"}
 REGISTRIES = {"research/model/attention/__init__.py": attention.REGISTRY,
               "research/model/positions/__init__.py": positions.REGISTRY}
 
 
 def _readme_blocks():
-  """{path: code} of the README's python blocks that start with a `# research/...` line."""
-  with open(README) as f:
-    text = f.read()
-  section = text[text.index("## Add a variant"):]
-  section = section[:section.index("\n## ", 1)]
-  return {match.group(1): match.group(2)
-          for match in re.finditer(r"```python\n# (research/\S+\.py)[^\n]*\n(.*?)```", section, re.S)}
+  """{path: code} of the python blocks that start with a `# research/...` line in the sections
+  of EXAMPLES."""
+  blocks = {}
+  for page, heading in EXAMPLES.items():
+    with open(os.path.join(ROOT, page)) as f:
+      text = f.read()
+    section = text[text.index(heading):]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
+    blocks.update({match.group(1): match.group(2) for match in
+                   re.finditer(r"```python\n# (research/\S+\.py)[^\n]*\n(.*?)```", section, re.S)})
+  return blocks
 
 
 @pytest.fixture(scope="module")
 def readme_variants():
-  """Executes the README's variant files as modules and their registry lines against the real
+  """Executes the examples' variant files as modules and their registry lines against the real
   registries; unregisters them afterwards."""
   blocks = _readme_blocks()
   files = {path: code for path, code in blocks.items() if path not in REGISTRIES}
@@ -44,7 +50,7 @@ def readme_variants():
   classes = {}
   for path, code in files.items():
     module = types.ModuleType(path[:-3].replace("/", "."))
-    exec(compile(code, path, "exec"), module.__dict__)  # noqa: S102 (the README's own code)
+    exec(compile(code, path, "exec"), module.__dict__)  # noqa: S102 (the docs' own code)
     classes.update({name: value for name, value in vars(module).items()
                     if isinstance(value, type) and value.__module__ == module.__name__})
   added = []

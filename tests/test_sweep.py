@@ -2,8 +2,9 @@
 
 import csv
 import functools
-import json
 import itertools
+import json
+import math
 import os
 import re
 import shutil
@@ -104,6 +105,8 @@ def test_results_csv_is_tidy_with_swept_fields(finished_sweep):
     for metric in report.INTERVAL_METRICS:
       low, high = float(row[f"{metric}_ci_low"]), float(row[f"{metric}_ci_high"])
       assert low <= float(row[metric]) <= high
+    for end in ("", "_ci_low", "_ci_high"):  # a byte-level corpus: bits per byte = loss / ln 2
+      assert float(row[f"bits_per_byte{end}"]) == pytest.approx(float(row[f"loss{end}"]) / math.log(2))
   assert sorted((r["eval_length"], r["eval_mode"]) for r in rows) == [
       ("32", "nonoverlapping"), ("32", "sliding"), ("64", "nonoverlapping"), ("64", "sliding")]
   for name in ("extrapolation.png", "loss_by_position.png", "summary.md"):

@@ -242,8 +242,8 @@ def record(made_path, files, entry):
            "Written by `python -m experiments.results` (`make results`); a file not listed here "
            "was made by hand or predates it. Minutes: how long the entry ran; a sweep finds the "
            "runs it already holds done and does not repeat them, so an entry remade over an "
-           "earlier workdir takes less than from an empty one (README's preset table has those "
-           "times).", "",
+           "earlier workdir takes less than from an empty one (the preset table of "
+           "docs/training.md has those times).", "",
            "| file | command | commit | date | hardware | minutes |", "|---|---|---|---|---|---|"]
   lines += [f"| {path} | `{e['command']}` | {commit_cell(e)} | {e['date']} | {hardware_cell(e)} | "
             f"{e['minutes']:.1f} |" for path, e in sorted(made.items())]

@@ -6,7 +6,8 @@ results.csv has one row per run x evaluation (research.evaluation.results: check
 split x eval length x mode x RoPE scaling x evaluated text x needle depth), with the columns run,
 attention, position, seed, train_length, train_steps, step, split, eval_length, eval_mode,
 rope_scaling, num_tokens, sliding_stride, bootstrap_samples, bootstrap_seed, loss, perplexity,
-accuracy, exact_match, tokens and sequences (scored windows or examples), state_bytes (the
+accuracy, exact_match, bits_per_byte (a language model of bytes: loss / ln 2, with its interval),
+tokens and sequences (scored windows or examples), state_bytes (the
 decode state per sequence at that length), the 95% bootstrap interval of
 each metric over those sequences (`loss_ci_low`, `loss_ci_high`, ...), macro_accuracy and its
 interval where the evaluation recorded it (MAD's tasks), and, in a sweep, one
@@ -23,6 +24,7 @@ validation loss from its metrics.jsonl, evaluated or not.
 
 import collections
 import csv
+import math
 import os
 from typing import NamedTuple
 
@@ -84,6 +86,14 @@ def _swept_cells(config, swept):
   return {k: "" if unread.enclosing(k, skipped) else cell(flat[k]) for k in swept}
 
 
+def _bits_per_byte(config, evaluation) -> dict:
+  """bits_per_byte = loss / ln 2 and its interval, for a language model of bytes; else none."""
+  if config.data.tokenizer != "bytes" or not data.is_language_modeling(config):
+    return {}
+  return {f"bits_per_byte{end}": evaluation[f"loss{end}"] / math.log(2)
+          for end in ("", "_ci_low", "_ci_high") if evaluation.get(f"loss{end}") is not None}
+
+
 def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
   """(rows, runs without rows): every evaluation of every run (with each row's loss by position),
   and (name, status) of the runs that have none. Writes DIR/results.csv (without the losses by
@@ -104,6 +114,7 @@ def collect(workdir: str) -> tuple[list[dict], list[tuple[str, dict]]]:
       row.update({k: cell(evaluation[k]) for k in eval_results.KEY if k in evaluation})
       row["split"] = eval_results.split(evaluation)
       row.update({k: evaluation[k] for k in METRIC_COLUMNS if k in evaluation})
+      row.update(_bits_per_byte(config, evaluation))
       row.update(swept_cells)
       row["loss_by_position"] = evaluation["loss_by_position"]
       rows.append(row)
