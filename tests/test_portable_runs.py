@@ -8,9 +8,12 @@ import json
 import os
 import shutil
 
+import pytest
+
 from research import defaults
 from research.data import tokenizer
 from research.runs import config_fields
+from research.training import checks
 
 
 def _run(directory, tokenizer_value):
@@ -53,3 +56,26 @@ def test_older_runs_keep_their_absolute_and_command_line_paths(tmp_path, monkeyp
   trained = _run(tmp_path / "trained", "shared_tokenizer")
   assert config_fields.load_saved(trained).data.tokenizer == "shared_tokenizer"
   assert config_fields.load_saved(_run(tmp_path / "bytes", "bytes")).data.tokenizer == "bytes"
+
+
+def test_a_command_lines_relative_tokenizer_is_saved_absolute_and_resumes(tmp_path, monkeypatch):
+  """experiments.train saves config_fields.as_saved(config): a relative --config.data.tokenizer
+  outside the run as an absolute path (so the run reads it from any directory); the resume check
+  compares configs in that form, so the same command resumes, a run saved with the relative path
+  too, and another tokenizer is refused."""
+  monkeypatch.chdir(tmp_path)
+  os.makedirs("shared_tokenizer")
+  config = defaults.get_config()
+  config.data.tokenizer = "shared_tokenizer"
+  run = str(tmp_path / "run")
+  assert config_fields.as_saved(config, run).data.tokenizer == str(tmp_path / "shared_tokenizer")
+  assert config.data.tokenizer == "shared_tokenizer"  # the config itself is left as given
+  monkeypatch.setattr(checks.checkpoints, "steps", lambda workdir: [10])  # a checkpointed run
+  for stored in (str(tmp_path / "shared_tokenizer"), "shared_tokenizer"):
+    _run(tmp_path / "run", stored)
+    checks.check_workdir(run, config)
+    other = config.copy_and_resolve_references()
+    other.data.tokenizer = "bytes"
+    with pytest.raises(ValueError, match="data.tokenizer"):
+      checks.check_workdir(run, other)
+    shutil.rmtree(run)

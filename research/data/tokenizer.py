@@ -10,10 +10,10 @@
 Where DIR lies: on a command line, a relative DIR is taken from the current directory, as any
 path. In a run's config.json, a DIR inside the run is stored relative to the run (`for_run`:
 "tokenizer" is RUN/tokenizer, what experiments.import_hf writes), so that a copied or moved run
-still finds it, and any other DIR absolute; reading the run (research.runs.config_fields.
-load_saved) turns it back into a path from here (`from_run`). A relative DIR that the run does
-not hold is read from the current directory, as before: experiments.train saves the command
-line's value as given.
+still finds it, and any other DIR absolute (experiments.train and import_hf both save so:
+research.runs.config_fields.as_saved); reading the run (config_fields.load_saved) turns it back
+into a path from here (`from_run`). A relative DIR that the run does not hold (runs saved before
+as_saved kept the command line's value) is read from the current directory.
 
 Used for the language-modeling corpora (training and evaluation streams), the needle tasks (their
 text rendered, then tokenized: research.data.needles) and generation; the synthetic tasks build

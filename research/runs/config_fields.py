@@ -126,6 +126,24 @@ def load_saved(run_dir: str) -> ml_collections.ConfigDict:
   return config
 
 
+def as_saved(config: ml_collections.ConfigDict, run_dir: str) -> ml_collections.ConfigDict:
+  """`config` as `run_dir`'s config.json keeps it: data.tokenizer relative to the run where the
+  run holds it, else absolute (research.data.tokenizer.for_run), so that the run reads the same
+  tokenizer from any directory, and a copied run its own."""
+  saved = config.copy_and_resolve_references()
+  saved.data.tokenizer = tokenizer.for_run(config.data.tokenizer, run_dir)
+  return saved
+
+
+def saved_as_stored_now(saved: dict, run_dir: str) -> dict:
+  """A config.json's dict with its data.tokenizer in as_saved's form (a run saved before as_saved
+  kept a relative path as the command line gave it, from the current directory)."""
+  name = saved.get("data", {}).get("tokenizer")
+  if name is not None:
+    saved["data"]["tokenizer"] = tokenizer.for_run(tokenizer.from_run(name, run_dir), run_dir)
+  return saved
+
+
 def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
   """A saved config (nested dict, read from `source`) over the current defaults, so fields that
   it predates take their defaults (see training_differences), without the settings its run did

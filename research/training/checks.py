@@ -222,7 +222,9 @@ def check_workdir(workdir, config: ml_collections.ConfigDict):
   if not os.path.exists(saved_path) or not checkpoints.steps(workdir):
     return
   with open(saved_path) as f:
-    differences = config_fields.training_differences(json.load(f), config, saved_path)
+    saved = config_fields.saved_as_stored_now(json.load(f), workdir)
+  differences = config_fields.training_differences(
+      saved, config_fields.as_saved(config, workdir), saved_path)
   if differences:
     raise ValueError(f"workdir {workdir!r} holds a run of a different config ("
                      f"{'; '.join(differences)}); use a new --workdir, or these values to resume")

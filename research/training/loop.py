@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from research.runs import checkpoints
+from research.runs import config_fields
 from research.training import checks
 from research import data
 from research.data import packing as data_packing
@@ -226,7 +227,7 @@ def _check_and_train(config, workdir):
       init_from.check(config, workdir)
     if is_writer:  # atomically: the other processes read it in check_workdir
       with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
-        f.write(config.to_json(indent=2, sort_keys=True))
+        f.write(config_fields.as_saved(config, workdir).to_json(indent=2, sort_keys=True))
       os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
     return _train(config, workdir, sharding.make_mesh(mesh_shape), is_writer)
 
