@@ -165,10 +165,8 @@ def _import(checkpoint_dir, workdir, hf, family, tokenizer_files, overrides):
   manager.close()
   with open(os.path.join(workdir, IMPORTED_FILE), "w") as f:
     json.dump(_record(checkpoint_dir, hf, family), f, indent=2)
-  saved = config.copy_and_resolve_references()  # its tokenizer relative to the run: portable
-  saved.data.tokenizer = tokenizer.for_run(config.data.tokenizer, workdir)
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(saved.to_json(indent=2, sort_keys=True))
+  with open(os.path.join(workdir, "config.json"), "w") as f:  # its tokenizer relative to the run
+    f.write(config_fields.as_saved(config, workdir).to_json(indent=2, sort_keys=True))
   return config, sum(value.size for value in params.values())
 
 
