@@ -119,6 +119,48 @@ def test_the_migration_table_covers_every_version_and_moves_to_fields_that_exist
     moved_later |= set(migration.moved)
 
 
+def test_what_older_runs_lacking_a_field_meant_is_in_the_migration_table():
+  """Migration.predated: a config saved before version 2 without a field loads at what its
+  absence meant (sink_positions "original" only with a window and sinks, RWKV-7 without the
+  value residual, RetNet's rotation at RoPE's frequencies); one saved since then at its own
+  values; every entry names a field of today's config."""
+  fields = set(defaults.flatten(defaults.get_config()))
+  for migration in migrations.MIGRATIONS:
+    assert set(migration.predated) <= fields, migration
+  today = defaults.flatten(defaults.get_config())
+  lacking = {k: v for k, v in today.items()
+             if k not in ("version", "model.rwkv7.value_residual",
+                          "model.retention.rotary_frequencies", "model.softmax.sink_positions")}
+  old = migrations.migrate({**lacking, "model.softmax.window": 8, "model.softmax.sinks": 2}, "v1")
+  assert (old["model.rwkv7.value_residual"], old["model.retention.rotary_frequencies"],
+          old["model.softmax.sink_positions"]) == (False, "rope", "original")
+  assert "model.softmax.sink_positions" not in migrations.migrate(lacking, "v1 without sinks")
+  new = migrations.migrate(today, "today's")
+  assert (new["model.rwkv7.value_residual"], new["model.retention.rotary_frequencies"],
+          new["model.softmax.sink_positions"]) == (True, "retnet", "cache")
+
+
+def test_a_registered_subclass_with_settings_of_its_own_loads_every_saved_run(tmp_path):
+  """A softmax-family subclass registered with its own settings (none of softmax's window and
+  sinks) leaves saved runs loading and resuming: the fixture's, and a run of today's config
+  (compatibility is the migration table's, keyed by field, not an attribute it inherits)."""
+  from research.model import attention  # noqa: PLC0415
+  from research.model.attention import softmax  # noqa: PLC0415
+
+  class Plain(softmax.SoftmaxAttention):
+    hyperparameters = {"block_size": 128}
+
+  attention.REGISTRY.register("plain_for_a_test", Plain)
+  try:
+    assert config_fields.load_saved(FIXTURE).model.attention == "gqa"
+    (tmp_path / "config.json").write_text(defaults.get_config().to_json())
+    config = config_fields.load_saved(str(tmp_path))
+    assert config_fields.training_differences(json.loads(defaults.get_config().to_json()),
+                                              config) == []
+  finally:
+    attention.REGISTRY.unregister("plain_for_a_test")
+
+
 def test_a_damaged_config_json_is_named_with_what_to_do(tmp_path):
   (tmp_path / "config.json").write_text('{"model": ')
   with pytest.raises(ValueError, match=rf"{tmp_path}/config.json is not valid JSON \(.*\); "

@@ -393,7 +393,7 @@ def test_a_config_saved_before_the_setting_loads_with_original_positions():
   from research.runs import config_fields  # noqa: PLC0415
   saved = json.loads(defaults.get_config().to_json())  # as a config.json holds it
   saved["model"]["softmax"].update(window=128, sinks=4)
-  del saved["model"]["softmax"]["sink_positions"]
+  del saved["model"]["softmax"]["sink_positions"], saved["version"]  # saved before either
   loaded = config_fields.merge_saved(saved, "an old config.json")
   assert loaded.model.softmax.sink_positions == "original"
   current = defaults.get_config()
@@ -405,6 +405,6 @@ def test_a_config_saved_before_the_setting_loads_with_original_positions():
   assert config_fields.merge_saved(fresh, "new").model.softmax.sink_positions == "cache"
   # Without sinks the field changes nothing: an old run's absent field is today's default, and
   # the run continues under today's config.
-  del fresh["model"]["softmax"]["sink_positions"]
+  del fresh["model"]["softmax"]["sink_positions"], fresh["version"]
   assert config_fields.merge_saved(fresh, "old").model.softmax.sink_positions == "cache"
   assert config_fields.training_differences(fresh, defaults.get_config()) == []

@@ -14,10 +14,10 @@ A field that a saved config predates counts as unchanged while it has its defaul
 that the run does not read (research.runs.unread: a sweep's shared setting such as
 model.learned.max_length in an ALiBi member saved before that rule) does not count either, and a
 saved config is read without such settings. Where a new field's default changes what the code
-computes, the variant that reads it declares what its absence meant (`predated_settings`, a dict
-or a function of the run's settings: model.softmax.sink_positions is "original" for a run with
-sinks): a saved config without the field loads with that value, and counts as unchanged while it
-has it.
+computes, the migration of its schema version says what its absence meant
+(research/runs/migrations.py, `Migration.predated`: model.softmax.sink_positions is "original"
+for a run with sinks): a saved config without the field loads with that value, and counts as
+unchanged while it has it.
 """
 
 import difflib
@@ -30,7 +30,6 @@ import ml_collections
 from research import defaults
 from research.data import tokenizer
 from research.model import positions
-from research import variants
 from research.defaults import flatten  # noqa: F401 (config_fields.flatten, as before)
 from research.runs import migrations
 from research.runs import unread
@@ -59,30 +58,6 @@ def changes_training(name: str) -> bool:
   return not _within(name, EVALUATION_FIELDS + EXECUTION_FIELDS)
 
 
-def predated_values(saved: Mapping) -> dict[str, Any]:
-  """{dotted name: value} of the fields that a saved config (flat, by dotted name) predates and
-  whose absence meant something other than today's default: each registered variant's
-  `predated_settings`, a dict {field: value}, or a function of the saved settings giving one
-  (so that a field that changes nothing in that run, e.g. sink_positions without sinks, keeps
-  today's default)."""
-  values = {}
-  model = defaults.get_config().model
-  for registry in variants.REGISTRIES:
-    for name in registry:
-      predated = registry.lookup(name).predated_settings
-      key = registry.settings_key(name)
-      if not predated or key not in model:
-        continue
-      prefix, settings = f"model.{key}.", model[key].copy_and_resolve_references()
-      for dotted, value in saved.items():
-        if dotted.startswith(prefix) and dotted[len(prefix):] in settings:
-          settings[dotted[len(prefix):]] = value
-      predated = predated(settings) if callable(predated) else predated
-      values.update({prefix + field: value for field, value in predated.items()
-                     if prefix + field not in saved})
-  return values
-
-
 def training_differences(saved: Mapping, current: ml_collections.ConfigDict,
                          source: str = "the saved config") -> list[str]:
   """'field: saved -> current' for every field that changes training and differs between a saved
@@ -91,7 +66,6 @@ def training_differences(saved: Mapping, current: ml_collections.ConfigDict,
   not_read = unread.not_read(current)
   saved = migrations.migrate(flatten(saved), source)
   current, default = flatten(current), flatten(defaults.get_config())
-  default.update(predated_values(saved))
   differences = []
   for name in sorted(saved.keys() | current.keys()):
     if not changes_training(name) or _within(name, tuple(not_read)):
@@ -155,8 +129,7 @@ def merge_saved(saved: Mapping, source: str) -> ml_collections.ConfigDict:
     raise ValueError(f"{source} has fields this code does not know ({', '.join(unknown)}); use "
                      "the code that wrote it, or, where the field was renamed or moved, say so "
                      "in research/runs/migrations.py")
-  # predated_values: what the run computed before a field it lacks existed.
-  for name, value in {**saved, **predated_values(saved)}.items():
+  for name, value in saved.items():
     *sections, field = name.split(".")
     node = config
     for section in sections:

@@ -35,10 +35,6 @@ class Mixer(nnx.Module):
   of them tests a mixer's class or attributes otherwise); each has a default here."""
 
   hyperparameters = {}
-  # What a saved config without one of today's hyperparameters meant, where that differs from
-  # its default: {field: value}, or a function of the run's settings giving one
-  # (research/runs/config_fields.py loads and compares old runs with it).
-  predated_settings = {}
   # Small settings for the conformance suite (tests/): a subset of hyperparameters that keeps a
   # tiny model fast, and a chunked form's chunk small enough that the test length spans at
   # least three chunks (see `chunk_length`).

@@ -376,7 +376,6 @@ class MoBA(softmax.SoftmaxAttention):
   hyperparameters = {"chunk_size": 512,  # C: tokens per block (moba_chunk_size)
                      "topk": 3,  # blocks per query, its own included (moba_topk)
                      "block_size": 128}  # blockwise backend: queries per tile of a key block
-  predated_settings = {}
   test_settings = {"chunk_size": 4, "topk": 2, "block_size": 4}
   position_hooks = frozenset({QK, BIAS})
   backends = BACKENDS

@@ -114,9 +114,6 @@ def _xavier_uniform(gain, in_axis, out_axis):
 
 class Retention(base.Mixer):
   hyperparameters = {"chunk_size": 64, "rotary_frequencies": "retnet"}
-  # What a saved config without a field meant (research/runs/config_fields.py): the runs written
-  # before rotary_frequencies existed rotated at RoPE's frequencies.
-  predated_settings = {"rotary_frequencies": "rope"}
   test_settings = {"chunk_size": 8}
   position_hooks = frozenset({QK})
 

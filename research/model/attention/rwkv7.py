@@ -224,8 +224,6 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
                      "value_lora_rank": 0}
   test_settings = {"chunk_size": 4, "decay_lora_rank": 8, "a_lora_rank": 8, "gate_lora_rank": 8,
                    "value_lora_rank": 8}
-  # Runs saved before the value residual existed computed every layer as layer 0.
-  predated_settings = {"value_residual": False}
   recurrent = True
 
   @classmethod

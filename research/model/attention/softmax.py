@@ -103,14 +103,6 @@ class SoftmaxAttention(base.Mixer):
     return int(settings.block_size)  # the blockwise backend's tiles
 
   @classmethod
-  def predated_settings(cls, settings):
-    """{field: value} that a saved config without the field meant, given its other settings
-    (research/runs/config_fields.py): the runs saved before sink_positions existed kept every
-    token at its own position, which differs from today's default only with a window and
-    sinks."""
-    return {"sink_positions": "original"} if settings.window and settings.sinks else {}
-
-  @classmethod
   def validate(cls, settings, model_config):
     base.check_kv_heads(cls.query_heads(model_config), cls.kv_heads(model_config))
     backend = model_config.attention_backend

@@ -210,7 +210,6 @@ class SparseAttention(softmax.SoftmaxAttention):
                      "global_tokens": 128,  # G <= W, local_global: the first G tokens
                      "block_size": 128}  # blockwise tiles
   test_settings = {"pattern": "fixed", "stride": 8, "summary": 4, "block_size": 4}
-  predated_settings = {}
   supports_sliding_window = False  # its window is model.sparse.window, not model.softmax's
   backends = ("auto", "xla", "blockwise", "cudnn", "splash")  # not pallas: causal only
 

@@ -70,7 +70,7 @@ top-2, 4096 tokens, fwd+bwd; 2026-12-04, Intel Xeon): one layer 6519 ms dense, 7
 ms blocked (8.4x faster than dense); a 2-layer model's training loss 18621, 16448 and 3843 ms
 (4.85x). "dense" stays the default, the reference of the tests. Because the dispatches compute the
 same function, a saved run (it predates the field, and loads with the default "dense", as it was
-trained) would be as correct with another: no predated_settings is needed.
+trained) would be as correct with another: no `Migration.predated` entry is needed.
 
 research.model.flops counts the routed experts only (model FLOPs), so MFU states what a sparse layer
 would need, whichever the dispatch. At scale one also dispatches into fixed-capacity expert

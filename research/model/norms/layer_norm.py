@@ -13,7 +13,6 @@ from flax import nnx
 class LayerNorm(nnx.LayerNorm):
   hyperparameters = {"eps": 1e-5, "bias": True}
   test_settings = {}
-  predated_settings = {}
 
   @classmethod
   def validate(cls, settings):

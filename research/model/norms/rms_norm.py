@@ -13,7 +13,6 @@ from flax import nnx
 class RMSNorm(nnx.RMSNorm):
   hyperparameters = {"eps": 1e-6}
   test_settings = {}
-  predated_settings = {}
 
   @classmethod
   def validate(cls, settings):

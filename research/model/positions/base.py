@@ -60,10 +60,6 @@ class PositionScheme(nnx.Module):
   """Base class: no position information at all."""
 
   hyperparameters = {}
-  # What a saved config without one of today's hyperparameters meant, where that differs from
-  # its default: {field: value}, or a function of the run's settings giving one
-  # (research/runs/config_fields.py loads and compares old runs with it).
-  predated_settings = {}
   # Small settings for the conformance suite (see
   # research.model.attention.base.Mixer.test_settings).
   test_settings = {}
