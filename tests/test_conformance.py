@@ -8,7 +8,8 @@ documents == each document alone (and, where the mixer's decode takes documents,
 decoded from a document cache), and the same logits under an 8-device mesh with the sharding
 rules (for each mixer, each scheme and each feed-forward: what sharding depends on). Every mixer
 that supports a sliding window also runs with one, with and without sinks (the rolling decode
-cache). Each feed-forward besides the MLP (research.model.feed_forward.REGISTRY) runs once, with
+cache), and so does every scheme the model accepts with a window (`_windowed`: derived from the
+capabilities, no list of schemes kept here). Each feed-forward besides the MLP (research.model.feed_forward.REGISTRY) runs once, with
 the first mixer.
 """
 
@@ -45,27 +46,47 @@ SEGMENTS = np.array([[0] * 6 + [1] * 9 + [2] * 4, [0] * 3 + [1] * 16, [0] * 11 +
 # A sliding window of 5 keys (with 2 sinks or none): whole tiles of 8 are skipped, and the
 # rolling decode cache of sinks + window slots wraps around.
 WINDOW = 5
-WINDOW_POSITIONS = ("rope", "alibi", "t5", "none")  # a rotation, biases, and no scheme, in turn
+
+
+def _builds(name, position, backend, window):
+  """Whether the model validates this combination (research.model.transformer.validate): the
+  capabilities the mixer and the scheme declare decide, not a list kept here."""
+  settings = {attention.REGISTRY.settings_key(name): dict(window=window[0], sinks=window[1])}
+  try:
+    model_lib.validate(tiny_model_config(attention=name, position=position,
+                                         attention_backend=backend or "xla", **settings))
+  except ValueError:
+    return False
+  return True
 
 
 def _windowed():
-  """(mixer, scheme, backend, (window, sinks)) for every mixer that supports a sliding window
-  (Mixer.supports_sliding_window): each with 2 sinks and with none, the schemes and CPU
-  backends in turn."""
+  """(mixer, scheme, backend, (window, sinks)) derived from the capabilities: every mixer that
+  supports a sliding window (Mixer.supports_sliding_window) with 2 sinks and with none, its
+  applied schemes (none, and one per set of hooks it applies) and CPU backends in turn; and the
+  first such mixer (mha) with every scheme it is compatible with, with sinks, on every CPU
+  backend that runs the scheme where the scheme enters the score path: a new scheme runs with
+  windows, sinks and, through every test of VARIANTS, packed documents and decoding in the
+  rolling cache, wherever the model accepts the combination."""
   cases = []
   names = [name for name, cls in attention.REGISTRY.items() if cls.supports_sliding_window]
   for index, name in enumerate(names):
     cls = attention.REGISTRY[name]
-    compatible = model_lib.compatible_positions(cls)
-    schemes = [p for p in WINDOW_POSITIONS if p in compatible] or compatible[:1]
+    schemes = _applied_positions(1, cls)  # none and the schemes whose hooks it applies
     backends = [b for b in cls.backends if b in CPU_BACKENDS] or [None]
     for turn, sinks in enumerate((2, 0)):
       cases.append((name, schemes[(index + turn) % len(schemes)],
                     backends[(index + turn) % len(backends)], (WINDOW, sinks)))
-  return cases
+  first = attention.REGISTRY[names[0]]
+  backends = [b for b in first.backends if b in CPU_BACKENDS] or [None]
+  for turn, position in enumerate(model_lib.compatible_positions(first)):
+    runs_on = _backends_for(position, backends)
+    for backend in (runs_on if _in_score_path(position) else runs_on[turn % len(runs_on):][:1]):
+      case = (names[0], position, backend, (WINDOW, 2))
+      if case not in cases:
+        cases.append(case)
+  return [case for case in cases if _builds(*case)]
 
-
-WINDOWED = _windowed()
 
 
 def _applies(mixer_cls, position):
@@ -95,6 +116,9 @@ def _in_score_path(position):
   contextual positions), where each backend has code of its own for it; an embedding term and a
   rotation of q and k happen before the backend, the same for every backend."""
   return bool(positions.REGISTRY[position].hooks() & {positions.BIAS, positions.CONTEXT})
+
+
+WINDOWED = _windowed()
 
 
 def _variants():
@@ -360,8 +384,16 @@ def test_every_registered_name_is_covered():
   blockwise = {v.values[1] for v in VARIANTS if v.values[2] == "blockwise"}
   # `none` and every scheme of the score path through the blockwise backend, but those it
   # refuses (whole rows: CoPE); the others act before the backend (_in_score_path).
-  assert blockwise == {p for p in positions.REGISTRY
+  assert blockwise >= {p for p in positions.REGISTRY
                        if (p == "none" or _in_score_path(p)) and _backends_for(p, ["blockwise"])}
+  # Every scheme with a window and sinks on the first windowed mixer, but where the model
+  # refuses the pair (CoPE: positions counted over keys in token order).
+  windowed = [n for n, cls in attention.REGISTRY.items() if cls.supports_sliding_window][0]
+  with_window = {v.values[1] for v in VARIANTS if v.values[0] == windowed and v.values[3]}
+  refused = {p for p in model_lib.compatible_positions(attention.REGISTRY[windowed])
+             if not any(_builds(windowed, p, b, (WINDOW, 2)) for b in CPU_BACKENDS)}
+  assert with_window == set(model_lib.compatible_positions(attention.REGISTRY[windowed])) - refused
+  assert refused == {"cope"}
 
 
 @pytest.mark.parametrize("name", list(attention.REGISTRY))
