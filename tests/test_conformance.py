@@ -112,10 +112,11 @@ def _backends_for(position, backends):
 
 
 def _in_score_path(position):
-  """Whether the scheme's hooks enter the backend's score computation (a bias, or CoPE's
-  contextual positions), where each backend has code of its own for it; an embedding term and a
-  rotation of q and k happen before the backend, the same for every backend."""
-  return bool(positions.REGISTRY[position].hooks() & {positions.BIAS, positions.CONTEXT})
+  """Whether the scheme's hooks enter the backend's score computation (a bias, CoPE's
+  contextual positions, a length-aware scale), where each backend has code of its own for it;
+  an embedding term and a rotation of q and k happen before the backend, the same for every
+  backend."""
+  return bool(positions.REGISTRY[position].hooks() & positions.SCORE_HOOKS)
 
 
 WINDOWED = _windowed()

@@ -20,6 +20,12 @@ function in research.model.attention.kv_cache). Query head n reads key/value hea
   change sees each query's whole row of masked logits and the query vector (CoPE,
   arXiv:2405.18719: positions counted by gates over the row); it needs whole rows, so xla and
   the decode cache run it and blockwise refuses it.
+* A `query_scale(params, context) -> [B | 1, N | 1, T]` multiplies each query's logits (after
+  the bias, before `modify`) by a function of its `QueryContext`: how many keys it sees (under
+  causality, the window, the sinks and packed documents) and its index within its document. A
+  length-aware temperature (SSMax, arXiv:2501.19399: s log n) is one; every backend but the
+  fused kernels runs it, and so do both decode caches (research.model.attention.kv_cache), which
+  count the keys a new token sees in the cache.
 * `mask` (research.model.attention.masks.MaskSpec) declares the visible keys: causal, a sliding
   window with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
   attention within a document.
@@ -142,23 +148,85 @@ class ScoreMod:
   # bias and modify. It needs whole rows: xla and the decode cache run it, blockwise (a row tile
   # by tile) and cudnn refuse it.
   contextual: Optional[Callable] = None
+  # query_scale(params, QueryContext) -> [B | 1, N | 1, T] float32: each query's logits times
+  # it, after the bias and before `modify` (a length-aware temperature).
+  query_scale: Optional[Callable] = None
 
   @property
   def additive(self) -> bool:
-    return self.modify is None and self.contextual is None
+    return self.modify is None and self.contextual is None and self.query_scale is None
 
   @property
   def rowwise(self) -> bool:
     return self.contextual is not None
 
-  def apply(self, logits_BxNxTxS, params, q_inputs, k_inputs):
+  def apply(self, logits_BxNxTxS, params, q_inputs, k_inputs, context=None):
+    """bias, then query_scale (given the queries' `context`, a QueryContext), then modify."""
     if self.bias is not None:
       bias = self.bias(params, q_inputs, k_inputs)
       if bias is not None:
         logits_BxNxTxS = logits_BxNxTxS + bias.astype(logits_BxNxTxS.dtype)
+    if self.query_scale is not None:
+      scale = self.query_scale(params, context)
+      logits_BxNxTxS = logits_BxNxTxS * scale[..., None].astype(logits_BxNxTxS.dtype)
     if self.modify is not None:
       logits_BxNxTxS = self.modify(logits_BxNxTxS, params, q_inputs, k_inputs)
     return logits_BxNxTxS
+
+
+class QueryContext(NamedTuple):
+  """What a query knows of its row besides its logits: keys_seen, int32 [B | 1, T], the number
+  of keys it sees (causality, window, sinks, packed documents; in a decode cache, the cached and
+  new keys it sees), and document_index, int32 [B | 1, T], its index within its document (its
+  token index in a single document)."""
+  keys_seen: Any
+  document_index: Any
+
+
+def query_context(mask, length, segments_BxT=None, block=256):
+  """The QueryContext of a sequence of `length` tokens attending to itself under `mask` (and
+  packed documents): keys_seen in closed form (MaskSpec.keys_seen), or, for a block-sparse
+  pattern, the visible keys counted block of keys by block (O(length x block) memory)."""
+  index = jnp.arange(length)
+  document_index = (index[None] if segments_BxT is None
+                    else masks.positions_in_documents(segments_BxT))
+  seen = mask.keys_seen(document_index)
+  if seen is None:
+    def count(start):
+      keys = start + jnp.arange(block)
+      k_segments = None if segments_BxT is None else jnp.take(segments_BxT, keys, axis=1,
+                                                              mode="clip")
+      k_document = (None if segments_BxT is None or not mask.sinks
+                    else jnp.take(document_index, keys, axis=1, mode="clip"))
+      allowed = mask.allowed(index, keys, segments_BxT, k_segments, k_document)
+      return (allowed & (keys < length)).sum(-1)[:, 0]  # [B | 1, T]
+    seen = sum(count(start) for start in range(0, length, block)).astype(jnp.int32)
+  return QueryContext(seen, document_index.astype(jnp.int32))
+
+
+def _context_in_inputs(score_mod, inputs, sink_queries, context):
+  """(score_mod, inputs, sink_queries) for a backend that cuts the score inputs into tiles
+  (blockwise): the queries' context rides in the inputs, (inputs, context), and query_scale
+  becomes the start of a `modify` that reads it from the query rows; unchanged without a
+  query_scale."""
+  if score_mod is None or score_mod.query_scale is None:
+    return score_mod, inputs, sink_queries
+  inner = score_mod
+
+  def bias(params, q_inputs, k_inputs):
+    return inner.bias(params, q_inputs[0], k_inputs[0])
+
+  def modify(logits, params, q_inputs, k_inputs):
+    scale = inner.query_scale(params, QueryContext(*q_inputs[1]))
+    logits = logits * scale[..., None].astype(logits.dtype)
+    return logits if inner.modify is None else inner.modify(logits, params, q_inputs[0],
+                                                            k_inputs[0])
+
+  context = tuple(context)
+  if sink_queries is not None:
+    sink_queries = sink_queries._replace(inputs=(sink_queries.inputs, context))
+  return (ScoreMod(bias=None if inner.bias is None else bias, modify=modify),
+          (inputs, context), sink_queries)
 
 
 class SinkQueries(NamedTuple):
@@ -292,7 +360,7 @@ def _default_inputs(inputs, length):
 
 
 def _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params, inputs,
-                 sink_queries, mask, segments_BxT):
+                 sink_queries, mask, segments_BxT, context=None):
   """`logits` [B, N, T, T] with the sink pairs' logits from the sink queries: only the first S
   keys can be sinks of a single document, any key in packed documents."""
   t = q_BxTxNxH.shape[1]
@@ -301,7 +369,7 @@ def _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_para
   sinks = (raw[..., :columns] if sink_queries.q is None
            else grouped_logits(sink_queries.q, k_BxTxKxH[:, :columns], scale))
   if score_mod is not None:
-    sinks = score_mod.apply(sinks, score_params, sink_queries.inputs, k_inputs)
+    sinks = score_mod.apply(sinks, score_params, sink_queries.inputs, k_inputs, context)
   index = jnp.arange(t)
   document_index = (None if segments_BxT is None
                     else masks.positions_in_documents(segments_BxT)[:, :columns])
@@ -322,12 +390,14 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
   scale = h ** -0.5 if scale is None else scale
   inputs = _default_inputs(inputs, t)
   sink_queries = _with_sinks(sink_queries, mask)
+  context = (None if score_mod is None or score_mod.query_scale is None
+             else query_context(mask, t, segments_BxT))
   raw = logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
   if score_mod is not None:
-    logits = score_mod.apply(logits, score_params, inputs, inputs)
+    logits = score_mod.apply(logits, score_params, inputs, inputs, context)
   if sink_queries is not None:
     logits = _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params,
-                          inputs, sink_queries, mask, segments_BxT)
+                          inputs, sink_queries, mask, segments_BxT, context)
   visible = _visible(mask, t, segments_BxT)
   if stick is not None:
     if score_mod is not None and score_mod.rowwise:
@@ -395,6 +465,9 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
                                     segments_BxT=segments_BxT,
                                     interpret=target_platform() == "cpu")
   if backend == "blockwise":
+    if score_mod is not None and score_mod.query_scale is not None:
+      score_mod, inputs, sink_queries = _context_in_inputs(
+          score_mod, inputs, sink_queries, query_context(mask, t, segments_BxT))
     return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
                      block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,
                      sink_queries=sink_queries)
@@ -434,6 +507,9 @@ def _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, *, scale, sco
                      "'auto', 'xla' (materialised) or 'blockwise' (cuDNN and Pallas have no such "
                      "kernel)")
   if backend == "blockwise":
+    if score_mod is not None and score_mod.query_scale is not None:
+      score_mod, inputs, _ = _context_in_inputs(
+          score_mod, inputs, None, query_context(mask, q_BxTxNxH.shape[1], segments_BxT))
     return stick_breaking_kernel.blockwise_attention(
         q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, block_size=block_size,
         scale=scale, mask=mask, segments_BxT=segments_BxT, attend_current=stick.attend_current)

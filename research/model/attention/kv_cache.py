@@ -48,7 +48,7 @@ def to_cache_layout(name, x_BxTx___):
 
 
 def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
-                     sink_queries=None):
+                     sink_queries=None, document_index_BxT=None):
   """softmax(score_mod(scale q k^T), mask) v of T queries against groups of keys in the cache's
   layout, in one softmax over all of them: parts are (k [B K, S_i, H], v [B K, S_i, V], q_inputs,
   k_inputs, mask [B' | 1, 1, T, S_i]) and optionally the part's sink pairs [B' | 1, 1, T, P_i]
@@ -64,7 +64,8 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
   axis, [B K, G, T, S], where XLA:CPU reduces at memory speed. The scale multiplies q, not the
   logits (a copy of them at every step). A score `modify` sees the logits as [B, N, T, S]; a
   `contextual` one (CoPE) the row over all parts, which must then be in token order (the full
-  layout's one part)."""
+  layout's one part). A `query_scale` reads each query's core.QueryContext: the keys it sees,
+  counted over the parts' masks, and `document_index_BxT`, its index within its document."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads = parts[0][0].shape[0] // b
   group = n // kv_heads
@@ -84,11 +85,19 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
     return x_XxSxGxT.reshape(b, kv_heads, s, group, t).transpose(0, 1, 3, 4, 2).reshape(
         b, n, t, s)
 
+  context = None
+  if score_mod is not None and score_mod.query_scale is not None:
+    keys_seen = sum(part[4].sum(-1, dtype=jnp.int32) for part in parts)[:, 0]  # [B' | 1, T]
+    context = core.QueryContext(keys_seen, document_index_BxT)
+
   def modified(logits_XxSxGxT, q_inputs, k_inputs):
     if score_mod is not None and score_mod.bias is not None:
       bias = score_mod.bias(score_params, q_inputs, k_inputs)
       if bias is not None:
         logits_XxSxGxT = logits_XxSxGxT + keys_first(bias.astype(q_BxTxNxH.dtype))
+    if context is not None:  # [B | 1, N | 1, T] -> [B K, 1, G, T]
+      query_scale = score_mod.query_scale(score_params, context)
+      logits_XxSxGxT = logits_XxSxGxT * keys_first(query_scale[..., None].astype(jnp.float32))
     if score_mod is not None and score_mod.modify is not None:
       modified = score_mod.modify(heads_and_queries_first(logits_XxSxGxT), score_params,
                                   q_inputs, k_inputs)
@@ -249,8 +258,9 @@ class KVCache:
     their arrays (new ones, or as the cache keeps them); sink_queries (core.SinkQueries) the
     queries of the sink pairs under StreamingLLM's cache positions."""
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-    q_inputs = score_inputs(positions_1xT if documents is None else documents.positions_BxT,
-                            tokens)
+    # The new tokens' indices within their documents (their token indices in one document).
+    document_index_BxT = positions_1xT if documents is None else documents.positions_BxT
+    q_inputs = score_inputs(document_index_BxT, tokens)
     if self.rolling:
       new_index_T, key_index_BxS = positions_1xT[0], cache["index"]
       # Each query's document starts at token 0 without documents: the stream's first S
@@ -272,7 +282,7 @@ class KVCache:
                                                 starts_BxT),)
         own += (self.mask.sink_pairs_in_rows(new_index_T, new_index_T[None], starts_BxT),)
       y = cached_attention(q_BxTxNxH, [cached, own], scale, score_mod, score_params,
-                           sink_queries)
+                           sink_queries, document_index_BxT)
       return y, self._write_rolling(tokens, cache, new_index_T, documents)
     index = positions_1xT[0, 0]
     cache = self.write(tokens, cache, positions_1xT[0])
@@ -281,7 +291,8 @@ class KVCache:
     mask, key_positions = full_cache_keys(self.mask, positions_1xT, slots_S.shape[0], documents)
     y = cached_attention(q_BxTxNxH, [(cache["key"], cache["value"], q_inputs,
                                       score_inputs(key_positions, cache), mask)],
-                         scale, score_mod, score_params)
+                         scale, score_mod, score_params,
+                         document_index_BxT=document_index_BxT)
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
     y = jnp.where(index + tokens["key"].shape[1] <= slots_S.shape[0], y, jnp.nan)

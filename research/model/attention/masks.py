@@ -293,6 +293,19 @@ class MaskSpec:
     """[B | 1, 1, T, S] bool: see `sink_pairs_in_rows`."""
     return sink_pairs_in_rows(q_index_T, k_index_BxS, starts_BxT, self.window, self.sinks)
 
+  def keys_seen(self, document_index_BxT):
+    """int32 [B | 1, T]: how many keys each query sees, from its index d within its document
+    (its token index in a single document): d + 1, or with a window W and sinks S
+    min(d + 1, W) + min(S, max(0, d + 1 - W)) (the window's keys, then the document's first S
+    tokens that are outside it). None with a block-sparse `keep`, which has no closed form: count
+    the visible keys instead (research.model.attention.core.query_context)."""
+    if self.keep is not None:
+      return None
+    seen = document_index_BxT.astype(jnp.int32) + 1
+    if not self.window:
+      return seen
+    return jnp.minimum(seen, self.window) + jnp.clip(seen - self.window, 0, self.sinks)
+
   def sink_tiles(self, num_blocks, block, packed=False):
     """[num_blocks, num_blocks] numpy bool: tile (i, j) may hold a sink pair (`sink_pairs`):
     its farthest pair is W or more apart and its key block holds a sink (any block with packed

@@ -43,7 +43,7 @@ from research.model.attention import core
 from research.model.attention import masks
 from research.model.attention.kv_cache import KVCache
 from research.model import positions
-from research.model.positions import BIAS, CONTEXT, QK
+from research.model.positions import BIAS, CONTEXT, LENGTH, QK, SCORE_HOOKS
 
 BACKENDS = core.BACKENDS
 # model.softmax.sink_positions: the positions the sinks are seen at (see SoftmaxAttention).
@@ -136,7 +136,7 @@ class SoftmaxAttention(base.Mixer):
     scores = positions.REGISTRY.lookup(model_config.position).hooks() & cls.position_hooks
     mask = cls.mask_spec(settings)
     reasons = core.refusals(
-        backend, mask=mask, score_mod=core.ScoreMod() if scores & {BIAS, CONTEXT} else None,
+        backend, mask=mask, score_mod=core.ScoreMod() if scores & SCORE_HOOKS else None,
         head_dim=cls.key_dim(model_config), value_dim=cls.value_dim(model_config),
         sink_queries=bool(mask.window and mask.sinks and settings.sink_positions == "cache"))
     if reasons:
@@ -220,14 +220,18 @@ class SoftmaxAttention(base.Mixer):
 
   def score_mod(self):
     """(core.ScoreMod, its parameters): score_bias as a function of the scheme's parameters, and
-    the scheme's contextual change of the logits (CoPE) where this mixer applies it."""
+    where this mixer applies them the scheme's contextual change of the logits (CoPE) and its
+    length-aware scale of each query's logits (SSMax)."""
     graphdef, params = nnx.split(self.position)
     bias = lambda p, q_inputs, k_inputs: self.score_bias(nnx.merge(graphdef, p), q_inputs,
                                                          k_inputs)
-    contextual = None
-    if CONTEXT in self.position.hooks() & self.position_hooks:
+    applied = self.position.hooks() & self.position_hooks
+    contextual = query_scale = None
+    if CONTEXT in applied:
       contextual = lambda logits, p, q: nnx.merge(graphdef, p).contextual(logits, q)
-    return core.ScoreMod(bias=bias, contextual=contextual), params
+    if LENGTH in applied:
+      query_scale = lambda p, context: nnx.merge(graphdef, p).length_scale(*context)
+    return core.ScoreMod(bias=bias, contextual=contextual, query_scale=query_scale), params
 
   def scale(self):
     return self.position.logit_scale() / self.head_dim ** 0.5
@@ -390,8 +394,9 @@ class SoftmaxAttention(base.Mixer):
 
 
 class MHA(SoftmaxAttention):
-  # mha, mqa and gqa also apply a contextual scheme (CoPE), on the xla backend.
-  position_hooks = frozenset({QK, BIAS, CONTEXT})
+  # mha, mqa and gqa also apply a contextual scheme (CoPE), on the xla backend, and a
+  # length-aware scale of each query's logits (SSMax), on every backend but the fused kernels.
+  position_hooks = frozenset({QK, BIAS, CONTEXT, LENGTH})
 
   @classmethod
   def kv_heads(cls, model_config):

@@ -6,7 +6,8 @@ The conformance suite, the xla == blockwise test, sweeps and tables enumerate th
 """
 
 from research.model.positions.alibi import ALiBi, alibi_slopes
-from research.model.positions.base import BIAS, CONTEXT, EMBED, QK, Geometry, PositionScheme
+from research.model.positions.base import (BIAS, CONTEXT, EMBED, LENGTH, QK, SCORE_HOOKS, Geometry,
+                                           PositionScheme)
 from research.model.positions.cope import CoPE
 from research.model.positions.fire import FIRE
 from research.model.positions.kerple import KerpleLog
@@ -15,6 +16,7 @@ from research.model.positions.none import NoPosition
 from research.model.positions.prope import PartialRoPE
 from research.model.positions.rope import SCALINGS, RoPE
 from research.model.positions.sinusoidal import Sinusoidal
+from research.model.positions.ssmax import SSMax
 from research.model.positions.t5 import T5Bias
 from research.model.positions.xpos import XPos
 from research.model.registry import Registry
@@ -31,6 +33,7 @@ REGISTRY.register("fire", FIRE)
 REGISTRY.register("xpos", XPos)
 REGISTRY.register("prope", PartialRoPE)
 REGISTRY.register("cope", CoPE)
+REGISTRY.register("ssmax", SSMax)
 
 
 def rotary(name: str) -> bool:

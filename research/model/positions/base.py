@@ -6,6 +6,10 @@
   bias(q_positions_BxT, k_positions_BxS)
                                       [B, N, T, S] float32 added to the attention logits, or None
   logit_scale()                       a softmax temperature on the logits (YaRN), 1 otherwise
+  length_scale(keys_seen_BxT, document_index_BxT)
+                                      [B | 1, N | 1, T] float32, each query's logits times it:
+                                      a function of how many keys the query sees and of its
+                                      index in its document (SSMax's s log n), or None
   contextual(logits_BxNxTxS, q_BxTxNxH)
                                       the logits changed as a function of each query's whole
                                       row of (masked) logits and of the query: CoPE's positions
@@ -33,7 +37,11 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-EMBED, QK, BIAS, CONTEXT = "embed", "qk", "bias", "context"
+EMBED, QK, BIAS, CONTEXT, LENGTH = "embed", "qk", "bias", "context", "length"
+# The hooks that enter the attention core's score computation, where each backend and decode
+# cache has code of its own for them (the embedding term and the rotation of q and k happen
+# before the core).
+SCORE_HOOKS = frozenset({BIAS, CONTEXT, LENGTH})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +82,7 @@ class PositionScheme(nnx.Module):
 
   @classmethod
   def hooks(cls) -> frozenset:
-    """The hooks this scheme overrides: a subset of {embed, qk, bias, context}."""
+    """The hooks this scheme overrides: a subset of {embed, qk, bias, context, length}."""
     base = PositionScheme
     used = set()
     if cls.embedding is not base.embedding:
@@ -85,6 +93,8 @@ class PositionScheme(nnx.Module):
       used.add(BIAS)
     if cls.contextual is not base.contextual:
       used.add(CONTEXT)
+    if cls.length_scale is not base.length_scale:
+      used.add(LENGTH)
     return frozenset(used)
 
   @classmethod
@@ -117,6 +127,13 @@ class PositionScheme(nnx.Module):
 
   def logit_scale(self):
     return 1.0
+
+  def length_scale(self, keys_seen_BxT, document_index_BxT):
+    """Each query's logits times [B | 1, N | 1, T] float32, given how many keys it sees (int32
+    [B | 1, T]: causality, window, sinks and packed documents counted; in a decode cache, the
+    cached and new keys it sees) and its index within its document; None: unchanged."""
+    del keys_seen_BxT, document_index_BxT
+    return None
 
   def contextual(self, logits_BxNxTxS, q_BxTxNxH):
     """Each query's row of float32 logits, the invisible keys at a large negative value, keys in
