@@ -23,6 +23,7 @@ from research.model.attention.path import PaTHAttention
 from research.model.attention.retention import Retention
 from research.model.attention.rwkv6 import RWKV6
 from research.model.attention.rwkv7 import RWKV7
+from research.model.attention.sigmoid import SigmoidAttention
 from research.model.attention.softmax import GQA, MHA, MQA, SoftmaxAttention
 from research.model.attention.sparse import SparseAttention
 from research.model.attention.ssm import Mamba
@@ -54,6 +55,7 @@ REGISTRY.register("moba", MoBA)
 REGISTRY.register("rwkv7", RWKV7)
 REGISTRY.register("nsa", NativeSparseAttention)
 REGISTRY.register("path", PaTHAttention)
+REGISTRY.register("sigmoid", SigmoidAttention)
 
 
 def position_scheme(model_config, *, rngs, layer_index=0):

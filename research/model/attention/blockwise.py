@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from research.model.attention import masks
+from research.model.attention import normalisers
 
-_MASKED = -1e30
+_MASKED = normalisers.MASKED
 
 
 def _block(x, index, size, axis=1):
@@ -190,9 +191,11 @@ def _sink_heads_first(sink):
       q=None if sink.q is None else _heads_first(sink.q))
 
 
-def _forward(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod, mask):
-  """(out [B, T, K, G, V], row log-sum-exp [num_blocks, B, K, G, block]) of q [B, T, K, G, H],
-  k [B, T, K, H] and v [B, T, K, V] (sink: core.SinkQueries, q like q, or None)."""
+def _forward(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod, mask,
+             normaliser):
+  """(out [B, T, K, G, V], the normaliser's residual per query, [num_blocks, B, K, G, block]:
+  the row log-sum-exp for softmax) of q [B, T, K, G, H], k [B, T, K, H] and v [B, T, K, V]
+  (sink: core.SinkQueries, q like q, or None)."""
   num_blocks = q.shape[1] // block
   like = q
   q, k, v = _heads_first(q), _heads_first(k), _heads_first(v)
@@ -205,45 +208,36 @@ def _forward(q, k, v, inputs, segments, score_params, sink, block, scale, score_
     count, key_block, sink_flag = tiles.key_blocks(i)
 
     def visit(c, carry):
-      # A row whose keys so far are all masked accumulates exp(0) = 1 terms; its first visible
-      # key (its own, which every mask keeps) rescales them by exp(-1e30).
       j = key_block(c)
-      m, l, acc = carry
       s = tiles.forward_logits(i, j, None if sink_flag is None else sink_flag(c))
-      m_new = jnp.maximum(m, s.max(-1))
-      p = jnp.exp(s - m_new[..., None])
-      correction = jnp.exp(m - m_new)
-      l = l * correction + p.sum(-1)
-      pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v.dtype), _block(v, j, block, axis=2),
-                      preferred_element_type=jnp.float32)
-      return m_new, l, acc * correction[..., None] + pv
+      return normaliser.tile_visit(carry, s, _block(v, j, block, axis=2))
 
-    init = (jnp.full((b, kh, g, block), _MASKED, jnp.float32),
-            jnp.zeros((b, kh, g, block), jnp.float32),
-            jnp.zeros((b, kh, g, block, width), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, count, visit, init)
-    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
+    carry = jax.lax.fori_loop(0, count, visit, normaliser.tile_init((b, kh, g, block), width))
+    out, residual = normaliser.tile_finish(carry)
+    return out.astype(q.dtype), residual
 
   out_blocks, lse_blocks = jax.lax.map(query_block, jnp.arange(num_blocks))
   return _unblock(out_blocks, like.astype(v.dtype)), lse_blocks
 
 
-_STATIC = (7, 8, 9, 10)  # block, scale, score_mod, mask
+_STATIC = (7, 8, 9, 10, 11)  # block, scale, score_mod, mask, normaliser
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=_STATIC)
-def _attention(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod, mask):
+def _attention(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod, mask,
+               normaliser):
   return _forward(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod,
-                  mask)[0]
+                  mask, normaliser)[0]
 
 
-def _attention_fwd(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod, mask):
+def _attention_fwd(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod, mask,
+                   normaliser):
   out, lse = _forward(q, k, v, inputs, segments, score_params, sink, block, scale, score_mod,
-                      mask)
+                      mask, normaliser)
   return out, (q, k, v, inputs, segments, score_params, sink, out, lse)
 
 
-def _attention_bwd(block, scale, score_mod, mask, residuals, d_out):
+def _attention_bwd(block, scale, score_mod, mask, normaliser, residuals, d_out):
   q_like, k_like, v_like, inputs, segments, score_params, sink, out, lse = residuals
   num_blocks = q_like.shape[1] // block
   q, k, v, d_out = (_heads_first(x) for x in (q_like, k_like, v_like, d_out))
@@ -267,10 +261,9 @@ def _attention_bwd(block, scale, score_mod, mask, residuals, d_out):
       dk, dv, dq, dq_sink, d_params, d_inputs, d_sink_inputs = inner
       s, pullback = tiles.logits(i, j, with_pullback=True, sinks=sinks)
       q_i, do_i = _block(q, i, block, axis=3), _block(d_out, i, block, axis=3)
-      p = jnp.exp(s - lse[i][..., None])
       dp = jnp.einsum("bkgqh,bksh->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
       delta_i = jax.lax.dynamic_slice_in_dim(delta, i * block, block, axis=3)
-      ds = p * (dp - delta_i[..., None])
+      p, ds = normaliser.tile_grads(s, lse[i], dp, delta_i)
       ds_sink = None
       if pullback is not None:
         ds, ds_sink, dp_params, dq_inputs, dqs_inputs, dk_inputs = pullback(ds)
@@ -328,9 +321,10 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, *, block_size,
-              scale, mask, segments_BxT=None, sink_queries=None):
-  """softmax(score_mod(scale q k^T), mask) v of a sequence to itself, in blocks of block_size;
-  see research.model.attention.core.attend for the arguments."""
+              scale, mask, segments_BxT=None, sink_queries=None, normaliser=normalisers.SOFTMAX):
+  """normaliser(score_mod(scale q k^T), mask) v of a sequence to itself, in blocks of
+  block_size (softmax by default; any research.model.attention.normalisers.Normaliser with a
+  per-tile form); see research.model.attention.core.attend for the arguments."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads = k_BxTxKxH.shape[2]
   block = min(block_size, t)
@@ -351,6 +345,6 @@ def blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, 
   segments = (None if segments_BxT is None
               else jnp.pad(segments_BxT, [(0, 0), (0, padded - t)], mode="edge"))
   out = _attention(q, k, v, inputs, segments, score_params, sink_queries, block, float(scale),
-                   score_mod, mask)
+                   score_mod, mask, normaliser)
   return out.reshape(b, padded, n, v.shape[-1])[:, :t]
 

@@ -65,13 +65,17 @@ Backends (what each can express, and which `auto` picks):
 `probabilities` returns the materialised attention weights of the same computation (the
 analyses read them from here).
 
-`normaliser` turns the logits into weights: "softmax" (the default, everything above), or
-"stickbreaking" (stick-breaking attention, Tan et al., arXiv:2410.17980; research.model.attention.
-stick_breaking_kernel): A_ij = sigmoid(z_ij) prod_{l in (j, i)} (1 - sigmoid(z_il)) over the
-visible keys before the query (or up to it: StickBreaking(attend_current=True)), not summing to
-1. It runs on xla (materialised, float32) and blockwise (its own kernel on the same tiles,
-score modifications and masks, nearest key block first); cudnn, sliding windows and sinks are
-refused. `auto` picks between xla and blockwise as for softmax.
+`normaliser` turns the logits into weights (research.model.attention.normalisers: the
+interface): "softmax" (the default, everything above); any Normaliser instance, e.g. a
+normalisers.Pointwise subclass (sigmoid attention), which runs on xla (materialised, float32)
+and blockwise (the same tiles, tile skipping, score modifications, masks, windows and sinks,
+with its per-tile form) and decodes from both caches; or "stickbreaking" (stick-breaking
+attention, Tan et al., arXiv:2410.17980; research.model.attention.stick_breaking_kernel):
+A_ij = sigmoid(z_ij) prod_{l in (j, i)} (1 - sigmoid(z_il)) over the visible keys before the
+query (or up to it: StickBreaking(attend_current=True)), not summing to 1, on xla and its own
+blockwise kernel (nearest key block first); its weights depend on the keys' order, so sliding
+windows and sinks are refused. cudnn, pallas and splash run softmax only; `auto` picks between
+xla and blockwise for the others as for softmax.
 """
 
 import contextlib
@@ -83,6 +87,7 @@ import jax
 import jax.numpy as jnp
 
 from research.model.attention import masks
+from research.model.attention import normalisers
 from research.model.attention import pallas_backend
 from research.model.attention import splash_backend
 from research.model.attention import stick_breaking_kernel
@@ -92,7 +97,8 @@ from research.model.attention.masks import CAUSAL, MaskSpec  # noqa: F401 (re-ex
 BACKENDS = ("auto", "xla", "blockwise", "cudnn", "pallas", "splash")
 # The backends that run a contextual score (ScoreMod.contextual: whole rows of logits).
 CONTEXTUAL_BACKENDS = ("auto", "xla")
-# What turns the logits into attention weights (`normaliser` of attend and probabilities).
+# The normalisers named by a string (`normaliser` of attend and probabilities; any
+# normalisers.Normaliser instance also serves).
 NORMALISERS = ("softmax", stick_breaking_kernel.NAME)
 # `auto`: blockwise from this length on. Measured fwd+bwd on a 2-core CPU (mixers suite: batch 1,
 # 8 heads, head_dim 64, block 128, fp32), xla / blockwise in ms: 256: 13.4 / 12.6, 512: 34.0 /
@@ -246,6 +252,27 @@ def _with_sinks(sink_queries, mask):
   return sink_queries if mask.window and mask.sinks else None
 
 
+def resolve_normaliser(normaliser, mask=CAUSAL):
+  """The normalisers.Normaliser that `normaliser` names ("softmax", "stickbreaking", or an
+  instance); a ValueError for any other name, and for a normaliser whose weights depend on the
+  keys' order with a sliding window or sinks."""
+  if isinstance(normaliser, normalisers.Normaliser):
+    resolved = normaliser
+  elif normaliser == "softmax":
+    resolved = normalisers.SOFTMAX
+  elif normaliser == stick_breaking_kernel.NAME:
+    resolved = stick_breaking_kernel.StickBreaking()
+  else:
+    raise ValueError(f"unknown attention normaliser {normaliser!r}; valid: "
+                     f"{', '.join(map(repr, NORMALISERS))} or a "
+                     "research.model.attention.normalisers.Normaliser instance")
+  if resolved.order_dependent and (mask.window or mask.sinks):
+    raise ValueError(f"{resolved.name} attention takes no sliding window or sinks (got window="
+                     f"{mask.window}, sinks={mask.sinks}): its weights depend on the order of all "
+                     "earlier keys; use window=0")
+  return resolved
+
+
 def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=None,
              platform=None, sink_queries=False, mask=None, segments=False):
   """Why `backend` cannot run a call with these properties ([] when it can); `segments`: the
@@ -384,8 +411,8 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
                   normaliser="softmax"):
   """(float32 attention probabilities [B, N, T, T], the visible keys [B | 1, 1, T, T]) of
   `attend` with the same arguments, materialised: for analyses and interventions (with
-  normaliser "stickbreaking": its weights, and the keys that may take weight)."""
-  stick = stick_breaking_kernel.resolve(normaliser, mask)
+  a normaliser other than softmax: its weights, and the keys that may take weight)."""
+  normaliser = resolve_normaliser(normaliser, mask)
   t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
   scale = h ** -0.5 if scale is None else scale
   inputs = _default_inputs(inputs, t)
@@ -398,15 +425,13 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
   if sink_queries is not None:
     logits = _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params,
                           inputs, sink_queries, mask, segments_BxT, context)
-  visible = _visible(mask, t, segments_BxT)
-  if stick is not None:
-    if score_mod is not None and score_mod.rowwise:
-      raise ValueError("a contextual score (CoPE) takes the softmax normaliser, not stick-breaking")
-    index = jnp.arange(t)
-    visible = stick_breaking_kernel.visible_keys(visible, index, index, stick.attend_current)
-    return stick_breaking_kernel.weights(logits, visible), visible
+  index = jnp.arange(t)
+  visible = normaliser.keys_taking_weight(_visible(mask, t, segments_BxT), index, index)
+  if score_mod is not None and score_mod.rowwise and normaliser != normalisers.SOFTMAX:
+    raise ValueError(f"a contextual score (CoPE) takes the softmax normaliser, not "
+                     f"{normaliser.name}")
   logits = masked_logits(logits, visible, score_mod, score_params, q_BxTxNxH)
-  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1), visible
+  return normaliser.weights(logits, visible), visible
 
 
 def masked_logits(logits_BxNxTxS, visible, score_mod, score_params, q_BxTxNxH,
@@ -437,12 +462,13 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
   inputs = _default_inputs(inputs, t)
   sink_queries = _with_sinks(sink_queries, mask)
   with_sinks = sink_queries is not None
-  stick = stick_breaking_kernel.resolve(normaliser, mask)
-  if stick is not None:
-    return _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, scale=scale,
-                                  score_mod=score_mod, score_params=score_params, inputs=inputs,
-                                  mask=mask, segments_BxT=segments_BxT, backend=backend,
-                                  block_size=block_size, backends=backends)
+  normaliser = resolve_normaliser(normaliser, mask)
+  if normaliser != normalisers.SOFTMAX:
+    return _attend_normalised(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, normaliser, scale=scale,
+                              score_mod=score_mod, score_params=score_params, inputs=inputs,
+                              mask=mask, segments_BxT=segments_BxT, backend=backend,
+                              block_size=block_size, backends=backends,
+                              sink_queries=sink_queries)
   if backend == "auto":
     if target_platform() == "tpu" and _without_scores(score_mod, score_params, inputs):
       score_mod = None  # RoPE's: none, so that splash may take the call
@@ -493,27 +519,31 @@ def _without_scores(score_mod, score_params, inputs):
       score_mod.bias is None or score_mod.bias(score_params, inputs, inputs) is None))
 
 
-def _attend_stick_breaking(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, stick, *, scale, score_mod,
-                           score_params, inputs, mask, segments_BxT, backend, block_size,
-                           backends):
-  """`attend` with the stick-breaking normaliser: blockwise (its kernel), or xla (materialised);
-  `auto` picks between the two as for softmax."""
+def _attend_normalised(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, normaliser, *, scale, score_mod,
+                       score_params, inputs, mask, segments_BxT, backend, block_size, backends,
+                       sink_queries):
+  """`attend` with a normaliser other than softmax: blockwise (its per-tile form, or its own
+  kernel), or xla (materialised); `auto` picks between the two as for softmax."""
   if backend == "auto":
     batch, length, heads, _ = q_BxTxNxH.shape
-    backend = auto_backend(length, tuple(b for b in backends if b != "cudnn"), q_BxTxNxH.dtype,
-                           batch_heads=batch * heads)
+    backend = auto_backend(length, tuple(b for b in backends if b in ("xla", "blockwise")),
+                           q_BxTxNxH.dtype, score_mod=score_mod, batch_heads=batch * heads)
   if backend not in ("xla", "blockwise"):
-    raise ValueError(f"attention backend {backend!r} cannot run stick-breaking attention; valid: "
-                     "'auto', 'xla' (materialised) or 'blockwise' (cuDNN and Pallas have no such "
-                     "kernel)")
+    raise ValueError(f"attention backend {backend!r} cannot run {normaliser.name} attention; "
+                     "valid: 'auto', 'xla' (materialised) or 'blockwise' (cuDNN, Pallas and "
+                     "Splash have softmax kernels only)")
   if backend == "blockwise":
+    reasons = refusals("blockwise", score_mod=score_mod)
+    if reasons:
+      raise ValueError(f"attention backend 'blockwise' cannot run this call: {'; '.join(reasons)}")
     if score_mod is not None and score_mod.query_scale is not None:
-      score_mod, inputs, _ = _context_in_inputs(
-          score_mod, inputs, None, query_context(mask, q_BxTxNxH.shape[1], segments_BxT))
-    return stick_breaking_kernel.blockwise_attention(
-        q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params, block_size=block_size,
-        scale=scale, mask=mask, segments_BxT=segments_BxT, attend_current=stick.attend_current)
+      score_mod, inputs, sink_queries = _context_in_inputs(
+          score_mod, inputs, sink_queries, query_context(mask, q_BxTxNxH.shape[1], segments_BxT))
+    return normaliser.blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod,
+                                score_params, block_size=block_size, scale=scale, mask=mask,
+                                segments_BxT=segments_BxT, sink_queries=sink_queries)
   probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
                            score_params=score_params, inputs=inputs, mask=mask,
-                           segments_BxT=segments_BxT, normaliser=stick)
+                           segments_BxT=segments_BxT, sink_queries=sink_queries,
+                           normaliser=normaliser)
   return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from research.model.attention import core
+from research.model.attention import normalisers
 
 # Cache entries stored heads before length, batch and key/value heads in one axis.
 HEADS_FIRST = frozenset({"key", "value"})
@@ -48,7 +49,8 @@ def to_cache_layout(name, x_BxTx___):
 
 
 def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
-                     sink_queries=None, document_index_BxT=None):
+                     sink_queries=None, document_index_BxT=None,
+                     normaliser=normalisers.SOFTMAX):
   """softmax(score_mod(scale q k^T), mask) v of T queries against groups of keys in the cache's
   layout, in one softmax over all of them: parts are (k [B K, S_i, H], v [B K, S_i, V], q_inputs,
   k_inputs, mask [B' | 1, 1, T, S_i]) and optionally the part's sink pairs [B' | 1, 1, T, P_i]
@@ -65,7 +67,10 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
   logits (a copy of them at every step). A score `modify` sees the logits as [B, N, T, S]; a
   `contextual` one (CoPE) the row over all parts, which must then be in token order (the full
   layout's one part). A `query_scale` reads each query's core.QueryContext: the keys it sees,
-  counted over the parts' masks, and `document_index_BxT`, its index within its document."""
+  counted over the parts' masks, and `document_index_BxT`, its index within its document. A
+  `normaliser` other than softmax (research.model.attention.normalisers) weighs the row with its
+  materialised `weights`; one whose weights depend on the keys' order needs the parts in token
+  order."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads = parts[0][0].shape[0] // b
   group = n // kv_heads
@@ -130,7 +135,13 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
                                  heads_and_queries_first(visible_XxSxGxT), score_mod,
                                  score_params, q_BxTxNxH, core.LARGE_NEGATIVE)
     logits_XxSxGxT = keys_first(changed)
-  probs_XxGxTxS = jax.nn.softmax(jnp.moveaxis(logits_XxSxGxT, 1, -1), axis=-1)
+  if normaliser == normalisers.SOFTMAX:
+    probs_XxGxTxS = jax.nn.softmax(jnp.moveaxis(logits_XxSxGxT, 1, -1), axis=-1)
+  else:
+    visible_XxSxGxT = jnp.concatenate(visible, axis=1)
+    weights = normaliser.weights(heads_and_queries_first(logits_XxSxGxT),
+                                 heads_and_queries_first(visible_XxSxGxT))  # [B, N, T, S]
+    probs_XxGxTxS = weights.reshape(b * kv_heads, group, t, weights.shape[-1])
   splits = list(itertools.accumulate(part[0].shape[1] for part in parts[:-1]))
   out_XxGxTxV = sum(
       jnp.einsum("XGTS,XSH->XGTH", p.astype(part[1].dtype), part[1],
@@ -248,7 +259,7 @@ class KVCache:
 
   def attend(self, q_BxTxNxH, tokens, cache, positions_1xT, *, scale, score_mod=None,
              score_params=(), score_inputs=lambda positions, arrays: positions,
-             sink_queries=None, documents=None):
+             sink_queries=None, documents=None, normaliser=normalisers.SOFTMAX):
     """(attention of the new tokens' queries to the cache and to each other [B, T, N, V], the
     cache with their arrays written). positions_1xT: the new tokens' token indices, which are
     also their positions unless `documents` (masks.DecodeDocuments: packed documents, a new one
@@ -256,7 +267,12 @@ class KVCache:
     its own; tokens: the new tokens' per-token arrays, [B, T, ...] (key and value [B, T, K,
     H]); score_inputs(positions, arrays) gives the score inputs of tokens at `positions` from
     their arrays (new ones, or as the cache keeps them); sink_queries (core.SinkQueries) the
-    queries of the sink pairs under StreamingLLM's cache positions."""
+    queries of the sink pairs under StreamingLLM's cache positions; normaliser
+    (research.model.attention.normalisers) what weighs the logits (softmax by default; the
+    rolling layout's slots are out of order, so it refuses an order-dependent one)."""
+    if self.rolling and normaliser.order_dependent:
+      raise ValueError(f"{normaliser.name} attention cannot decode from a sliding window's "
+                       "rolling cache: its weights depend on the keys' order")
     tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
     # The new tokens' indices within their documents (their token indices in one document).
     document_index_BxT = positions_1xT if documents is None else documents.positions_BxT
@@ -282,7 +298,7 @@ class KVCache:
                                                 starts_BxT),)
         own += (self.mask.sink_pairs_in_rows(new_index_T, new_index_T[None], starts_BxT),)
       y = cached_attention(q_BxTxNxH, [cached, own], scale, score_mod, score_params,
-                           sink_queries, document_index_BxT)
+                           sink_queries, document_index_BxT, normaliser)
       return y, self._write_rolling(tokens, cache, new_index_T, documents)
     index = positions_1xT[0, 0]
     cache = self.write(tokens, cache, positions_1xT[0])
@@ -292,7 +308,7 @@ class KVCache:
     y = cached_attention(q_BxTxNxH, [(cache["key"], cache["value"], q_inputs,
                                       score_inputs(key_positions, cache), mask)],
                          scale, score_mod, score_params,
-                         document_index_BxT=document_index_BxT)
+                         document_index_BxT=document_index_BxT, normaliser=normaliser)
     # Past the cache's end, dynamic_update_slice would clamp and overwrite the last slots:
     # return NaN rather than silently wrong logits (init_cache with a larger max_length).
     y = jnp.where(index + tokens["key"].shape[1] <= slots_S.shape[0], y, jnp.nan)

@@ -41,6 +41,7 @@ from research.model import nn
 from research.model.attention import base
 from research.model.attention import core
 from research.model.attention import masks
+from research.model.attention import normalisers
 from research.model.attention.kv_cache import KVCache
 from research.model import positions
 from research.model.positions import BIAS, CONTEXT, LENGTH, QK, SCORE_HOOKS
@@ -236,6 +237,12 @@ class SoftmaxAttention(base.Mixer):
   def scale(self):
     return self.position.logit_scale() / self.head_dim ** 0.5
 
+  def normaliser(self):
+    """What weighs the logits (research.model.attention.normalisers): softmax. A variant with
+    another returns it here, and keeps every backend that runs it, the masks, packed documents
+    and both decode caches."""
+    return normalisers.SOFTMAX
+
   # StreamingLLM's cache positions for the sinks.
 
   def moves_sinks(self):
@@ -280,7 +287,7 @@ class SoftmaxAttention(base.Mixer):
                        mask=self.sequence_mask(segments_BxL), segments_BxT=segments_BxL,
                        backend=self.backend,
                        block_size=self.block_size, backends=self.backends,
-                       sink_queries=sink_queries)
+                       sink_queries=sink_queries, normaliser=self.normaliser())
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     q, tokens = self.project(x_BxLxD, positions_BxL, segments_BxL)
@@ -294,7 +301,8 @@ class SoftmaxAttention(base.Mixer):
         q, tokens["key"], scale=self.scale(), score_mod=score_mod, score_params=params,
         inputs=self.score_inputs(positions_BxL, tokens), mask=self.sequence_mask(segments_BxL),
         segments_BxT=segments_BxL,
-        sink_queries=self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL))
+        sink_queries=self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL),
+        normaliser=self.normaliser())
     return probs, visible, tokens
 
   def attention_weights(self, x_BxLxD, positions_BxL, segments_BxL=None):
@@ -356,7 +364,7 @@ class SoftmaxAttention(base.Mixer):
       layout, score_inputs = self.decode_cache(documents)
       return layout.attend(q, tokens, cache, index_1xT, scale=self.scale(), score_mod=score_mod,
                            score_params=params, score_inputs=score_inputs, sink_queries=sinks,
-                           documents=documents)
+                           documents=documents, normaliser=self.normaliser())
 
     def prefill_empty(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}

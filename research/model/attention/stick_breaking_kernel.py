@@ -56,35 +56,32 @@ import jax.numpy as jnp
 
 from research.model.attention import blockwise as blockwise_lib
 from research.model.attention import masks
+from research.model.attention import normalisers
 
 NAME = "stickbreaking"
 
 
 @dataclasses.dataclass(frozen=True)
-class StickBreaking:
-  """The stick-breaking normaliser; attend_current: the query's own key is visible (breaks the
+class StickBreaking(normalisers.Normaliser):
+  """The stick-breaking normaliser (research.model.attention.normalisers' interface, with a
+  blockwise kernel of its own); attend_current: the query's own key is visible (breaks the
   stick first), as the authors' kernels' attend_current=True."""
   attend_current: bool = False
+  name = "stick-breaking"
+  order_dependent = True  # the nearest key breaks the stick first
 
+  def weights(self, logits, visible):
+    return weights(logits, visible)
 
-def resolve(normaliser, mask=masks.CAUSAL):
-  """None for "softmax"; the StickBreaking for "stickbreaking" (the authors' default,
-  attend_current False) or a StickBreaking instance. Raises ValueError for anything else, and
-  for a mask with a sliding window or sinks."""
-  if isinstance(normaliser, StickBreaking):
-    stick = normaliser
-  elif normaliser == "softmax":
-    return None
-  elif normaliser == NAME:
-    stick = StickBreaking()
-  else:
-    raise ValueError(f"unknown attention normaliser {normaliser!r}; valid: 'softmax', {NAME!r} "
-                     "(or stick_breaking_kernel.StickBreaking(attend_current=...))")
-  if mask.window or mask.sinks:
-    raise ValueError(f"stick-breaking attention takes no sliding window or sinks (got window="
-                     f"{mask.window}, sinks={mask.sinks}): its stick runs over every earlier key, "
-                     "nearest first; use window=0")
-  return stick
+  def keys_taking_weight(self, visible, q_index_T, k_index_S):
+    return visible_keys(visible, q_index_T, k_index_S, self.attend_current)
+
+  def blockwise(self, q, k, v, inputs, score_mod, score_params, *, block_size, scale, mask,
+                segments_BxT=None, sink_queries=None):
+    del sink_queries  # no window: no sink pairs
+    return blockwise_attention(q, k, v, inputs, score_mod, score_params, block_size=block_size,
+                               scale=scale, mask=mask, segments_BxT=segments_BxT,
+                               attend_current=self.attend_current)
 
 
 def visible_keys(visible, q_index_T, k_index_S, attend_current):
