@@ -8,9 +8,10 @@ research.model.attention.REGISTRY: each mixer whose decode cache grows with the 
 recurrent, `cache_bytes_per_token`) and is not a head-count variant of another (mqa, gqa) runs
 once, with RoPE where it applies a
 query/key scheme and with no position scheme otherwise (stick-breaking and FoX carry order in
-their weights), so a new softmax-family mixer joins with no edit here; so does MHA with each
-contextual position scheme (CoPE, which counts positions inside the mixer's rows, with its
-reference's table of L + 1 positions). The block sizes of the
+their weights), so a new softmax-family mixer joins with no edit here (sigmoid attention with
+its bias -log L); so does MHA with each position scheme that acts on whole rows of logits: CoPE,
+which counts positions inside the mixer's rows, with its reference's table of L + 1 positions,
+and SSMax, which scales each row by the log of its length. The block sizes of the
 mixers that route or skip blocks are set from the training length L (`scaled_settings`), so that
 training already sees the pattern: MoBA in blocks of L/4 (top-3: each query its own block and 2
 of the earlier ones), NSA in blocks of L/8 with 3 selected and a window of L/4, the Sparse
@@ -51,16 +52,19 @@ def softmax_family():
   return runs
 
 
-def contextual_schemes():
-  """(mha, position) for every position scheme that changes whole rows of logits (CoPE)."""
+def row_schemes():
+  """(mha, position) for every position scheme that changes whole rows of logits (CoPE) or
+  scales each row by a function of its length (SSMax)."""
   return [("mha", name) for name, cls in sorted(positions.REGISTRY.items())
-          if positions.CONTEXT in cls.hooks()]
+          if cls.hooks() & {positions.CONTEXT, positions.LENGTH}]
 
 
 def scaled_settings(seq_len):
   """{mixer or position: overrides} that put its blocks inside the training length (see the
-  docstring), and CoPE's table at its reference's default (the training length + 1)."""
+  docstring), CoPE's table at its reference's default (the training length + 1) and sigmoid
+  attention's bias at -log(training length)."""
   return {"cope": {"model.cope.max_positions": seq_len + 1},
+          "sigmoid": {"model.sigmoid.bias_length": seq_len},
           "moba": {"model.moba.chunk_size": seq_len // 4, "model.moba.topk": 3},
           "nsa": {"model.nsa.block_size": seq_len // 8, "model.nsa.num_selected": 3,
                   "model.nsa.window": seq_len // 4},
@@ -72,6 +76,6 @@ def scaled_settings(seq_len):
 def get_sweep(preset="quick"):
   seeds = (0,) if preset == "quick" else (0, 1, 2)
   settings = scaled_settings(get_config(preset).train.seq_len)
-  pairs = [("mha", "rope"), ("mha", "alibi")] + contextual_schemes() + softmax_family()
+  pairs = [("mha", "rope"), ("mha", "alibi")] + row_schemes() + softmax_family()
   return [{"model.attention": a, "model.position": p, **settings.get(a, {}),
            **settings.get(p, {}), "train.seed": seed} for a, p in pairs for seed in seeds]

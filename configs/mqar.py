@@ -2,7 +2,9 @@
 
 Key-value pairs, then queries of earlier keys at power-law gaps; accuracy over the answers.
 Sweep (Zoology's Figure 2 axes): every mixer in research.model.attention.REGISTRY (with RoPE where
-it takes it; the quick preset leaves out mqa and gqa, registered as head-count variants of mha) x
+it takes it; the quick preset leaves out mqa and gqa, registered as head-count variants of mha;
+sigmoid attention with its bias at -log of the training length), MHA with each length-aware
+scheme (SSMax) x
 model width x (sequence length, number of key-value pairs), evaluated at the training length;
 width.png draws accuracy against width, one panel per (length, pairs), with 95% bootstrap
 intervals. Published trend: attention near 1.0 at every width; linear attention and
@@ -26,6 +28,7 @@ SSMs need more width as the number of pairs grows.
 
 from configs import base
 from configs import sweeps
+from research.model import positions
 
 CELLS = {"quick": ((64, 4), (128, 8)),
          "full": tuple((length, length // k) for length in (64, 128, 256, 512) for k in (16, 8))}
@@ -58,9 +61,22 @@ def mixers(preset):
   return sweeps.every_mixer_family() if preset == "quick" else sweeps.every_mixer()
 
 
+def length_schemes():
+  """(mha, position) for every position scheme that scales each row of logits by a function of
+  its length (SSMax): a scheme, not a mixer, so every_mixer does not list it."""
+  return [("mha", name) for name, cls in sorted(positions.REGISTRY.items())
+          if positions.LENGTH in cls.hooks()]
+
+
+def member_settings(attention, length):
+  """A member's settings that follow its training length: sigmoid attention's bias -log L."""
+  return {"model.sigmoid.bias_length": length} if attention == "sigmoid" else {}
+
+
 def get_sweep(preset="quick"):
   base.check_preset(preset)
   return [{"model.attention": attention, "model.position": position, "model.d_model": width,
-           "train.seq_len": length, "data.num_kv_pairs": pairs, "eval.lengths": (length,)}
-          for attention, position in mixers(preset) for width in WIDTHS[preset]
-          for length, pairs in CELLS[preset]]
+           "train.seq_len": length, "data.num_kv_pairs": pairs, "eval.lengths": (length,),
+           **member_settings(attention, length)}
+          for attention, position in mixers(preset) + length_schemes()
+          for width in WIDTHS[preset] for length, pairs in CELLS[preset]]
