@@ -15,6 +15,7 @@ from research.model.attention.gated_deltaproduct import GatedDeltaProduct
 from research.model.attention.gla import GatedLinearAttention
 from research.model.attention.hyena import Hyena
 from research.model.attention.linear import LinearAttention
+from research.model.attention.log_linear_mamba2 import LogLinearMamba2
 from research.model.attention.mamba2 import Mamba2
 from research.model.attention.mla import MultiHeadLatentAttention
 from research.model.attention.moba import MoBA
@@ -56,6 +57,7 @@ REGISTRY.register("rwkv7", RWKV7)
 REGISTRY.register("nsa", NativeSparseAttention)
 REGISTRY.register("path", PaTHAttention)
 REGISTRY.register("sigmoid", SigmoidAttention)
+REGISTRY.register("log_linear_mamba2", LogLinearMamba2)
 
 
 def position_scheme(model_config, *, rngs, layer_index=0):

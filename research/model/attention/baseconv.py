@@ -56,7 +56,7 @@ from flax import nnx
 from research.model import nn
 from research.model.attention import base
 from research.model.attention import hyena
-from research.model.attention import ssm
+from research.model.attention import modules
 
 IMPLICIT_EMB_DIM = 3  # ImplicitLongConvolution's d_emb (BaseConv passes only d_model, l_max)
 IMPLICIT_HIDDEN = 16  # ImplicitLongConvolution's d_hidden
@@ -114,10 +114,9 @@ class BaseConv(base.Mixer):
     self.projection = nn.dense("BLD,DE->BLE", (d, d), ("embed", "mlp"), bias_shape=(d,),
                                bias_axes=("mlp",), rngs=rngs, dtype=dtype, init=normal)
     if not self.long:
-      conv_init = hyena.conv1d_default_init(self.kernel_size)
-      self.conv_kernel = nn.param(conv_init(rngs.params(), (self.kernel_size, d)),
-                                  ("conv", "mlp"), weight_decay=True)
-      self.conv_bias = nn.param(conv_init(rngs.params(), (d,)), ("mlp",), weight_decay=False)
+      # PyTorch's Conv1d default, U(-1/sqrt(W), 1/sqrt(W)), for the kernel and the bias alike.
+      self.conv_kernel = modules.short_conv_kernel(rngs, self.kernel_size, d, ("mlp",))
+      self.conv_bias = modules.short_conv_bias(d, ("mlp",), rngs=rngs, width=self.kernel_size)
     elif self.implicit:
       self.filter_in = nn.dense("LE,EF->LF", (IMPLICIT_EMB_DIM, IMPLICIT_HIDDEN),
                                 ("state", "state"), bias_shape=(IMPLICIT_HIDDEN,),
@@ -152,8 +151,8 @@ class BaseConv(base.Mixer):
               + x_BxLxD.astype(jnp.float32))
     else:
       window = jnp.zeros((x_BxLxD.shape[0], self.kernel_size - 1, self.d_model), self.dtype)
-      conv, _ = ssm.causal_depthwise_conv(x_BxLxD, window, self.conv_kernel[...],
-                                          self.conv_bias[...], segments_BxL)
+      conv, _ = modules.causal_depthwise_conv(x_BxLxD, window, self.conv_kernel[...],
+                                              self.conv_bias[...], segments_BxL)
       conv = conv.astype(jnp.float32)
     return self._combine(conv, x_BxLxD)
 
@@ -174,9 +173,9 @@ class BaseConv(base.Mixer):
                                         documents)
               + x_BxTxD.astype(jnp.float32))
       return self._combine(conv, x_BxTxD), {**cache, "history": history}
-    window, segments_BxT = ssm.decode_window(cache["conv"], documents)
-    conv, window = ssm.causal_depthwise_conv(x_BxTxD, window, self.conv_kernel[...],
-                                             self.conv_bias[...], segments_BxT)
+    window, segments_BxT = modules.decode_window(cache["conv"], documents)
+    conv, window = modules.causal_depthwise_conv(x_BxTxD, window, self.conv_kernel[...],
+                                                 self.conv_bias[...], segments_BxT)
     return self._combine(conv.astype(jnp.float32), x_BxTxD), {"conv": window}
 
   def mixing_flops_per_token(self, context_length):

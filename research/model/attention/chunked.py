@@ -10,6 +10,7 @@ recurrent mixers keep the op (a function of arrays) apart from the layer (projec
 norms, the cache), as fla does with fla/ops and fla/layers.
 """
 
+import jax
 import jax.numpy as jnp
 
 from research.model.attention import base
@@ -32,14 +33,17 @@ def pad_to_chunks(x, chunk: int, *, axis: int = 1, mode: str = "constant"):
 def split_chunks(x, chunk: int, *, axis: int = 1, mode: str = "constant"):
   """[..., L, ...] -> [..., Z, C, ...]: the `axis` of length L padded (pad_to_chunks) and cut
   into Z = ceil(L / C) chunks of C tokens, the chunk axis at `axis` and the token axis after it."""
+  axis = axis % x.ndim
   x = pad_to_chunks(x, chunk, axis=axis, mode=mode)
   return x.reshape(x.shape[:axis] + (x.shape[axis] // chunk, chunk) + x.shape[axis + 1:])
 
 
 def merge_chunks(x, length: int, *, axis: int = 1):
-  """The inverse of split_chunks: [..., Z, C, ...] -> [..., L, ...], the padding cut off."""
+  """The inverse of split_chunks: [..., Z, C, ...] -> [..., L, ...], the padding cut off (`axis`
+  is the chunk axis of x)."""
+  axis = axis % x.ndim
   merged = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
-  return jnp.take(merged, jnp.arange(length), axis=axis) if merged.shape[axis] != length else merged
+  return jax.lax.slice_in_dim(merged, 0, length, axis=axis)
 
 
 class ChunkedRecurrentMixer(base.Mixer):
@@ -49,18 +53,28 @@ class ChunkedRecurrentMixer(base.Mixer):
   recurrence) and `decode` (from the cache; with packed documents, the cache restarted in the
   rows whose first new token starts a document and the state restarted at later starts:
   base.decode_inputs). A subclass implements `_mix`, `init_cache` and
-  `mixing_flops_per_token`."""
+  `mixing_flops_per_token`.
+
+  A mixer that hands the tokens' positions to its position scheme's qk hook (linear attention,
+  retention) sets `reads_positions`: its `_mix` then also takes them, as the keyword
+  positions_BxT ([B | 1, T]: the token indices, or their indices within their documents), and
+  it sets `recurrent = False` (its order may come from the scheme too)."""
 
   recurrent = True
+  reads_positions = False
   document_decode_refusal = classmethod(base.no_refusal)  # the state restarts at each document
 
   def _mix(self, x_BxTxD, cache, segments_BxT=None):
     raise NotImplementedError
 
+  def _positions(self, positions_BxT):
+    return {"positions_BxT": positions_BxT} if self.reads_positions else {}
+
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
+    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL,
+                     **self._positions(positions_BxL))[0]
 
   def decode(self, x_BxTxD, cache, index, documents=None):
-    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
-    return self._mix(x_BxTxD, cache, segments_BxT)
+    cache, positions_BxT, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index,
+                                                            documents)
+    return self._mix(x_BxTxD, cache, segments_BxT, **self._positions(positions_BxT))

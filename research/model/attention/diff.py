@@ -65,6 +65,7 @@ from research.model import nn
 from research.model.attention import base
 from research.model.attention import core
 from research.model.attention import masks
+from research.model.attention import modules
 from research.model.attention import softmax
 from research.model.attention.kv_cache import KVCache
 
@@ -174,9 +175,9 @@ class DifferentialAttention(softmax.SoftmaxAttention):
 
   def head_outputs(self, o_BxTxNxV):
     """(1 - lambda_init) RMSNorm(o) per head (their subln), in the compute dtype."""
-    o = o_BxTxNxV.astype(jnp.float32)
-    normalised = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + SUBLN_EPSILON)
-    return (normalised * self.subln_scale[...] * (1 - self.lambda_init)).astype(self.dtype)
+    normalised = modules.rms_norm(o_BxTxNxV.astype(jnp.float32), self.subln_scale[...],
+                                  eps=SUBLN_EPSILON)
+    return (normalised * (1 - self.lambda_init)).astype(self.dtype)
 
   def attend(self, q_BxLx2NxH, tokens, positions_BxL, segments_BxL=None, sink_queries=None):
     """The heads [B, L, N, 2d] before the output projection: the core's attention of the 2N

@@ -52,12 +52,12 @@ import jax.numpy as jnp
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import masks
-from research.model.attention import ssm
+from research.model.attention import modules
 
 L2_EPSILON = 1e-6
-NORM_EPSILON = 1e-5
-A_INIT_MAX = 16.0
+A_INIT_RANGE = (0.0, 16.0)  # A ~ U[0, 16] per head (fla)
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -100,15 +100,12 @@ def chunked_gated_delta_rule(q, k, v, log_decay, beta, state, *, chunk_size=64, 
   b, length, n, h = q.shape
   e = v.shape[-1]
   chunk = min(chunk_size, length)
-  num_chunks = -(-length // chunk)
-  padded = num_chunks * chunk
-
-  def to_chunks(x):  # [B, L, N, ...] -> [B, Z, N, C, ...] for Z chunks of C tokens
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(b, num_chunks, chunk, *x.shape[2:]), 2, 3)
-
-  # Zero padding (g = 0, beta = 0, k = 0) leaves the state as it is.
-  q, k, v, log_decay, beta = map(to_chunks, (q, k, v, log_decay, beta))
+  padded = chunked.num_chunks(length, chunk) * chunk
+  # [B, L, N, ...] -> [B, Z, N, C, ...] for Z chunks of C tokens. Zero padding (g = 0, beta = 0,
+  # k = 0) leaves the state as it is.
+  q, k, v, log_decay, beta = (
+      jnp.moveaxis(chunked.split_chunks(x.astype(jnp.float32), chunk), 2, 3)
+      for x in (q, k, v, log_decay, beta))
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
   same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
@@ -145,14 +142,7 @@ def chunked_gated_delta_rule(q, k, v, log_decay, beta, state, *, chunk_size=64, 
   scores = jnp.einsum("bznch,bznsh->bzncs", q, k) * within
   out = (jnp.einsum("bznch,bznhe->bznce", q * from_start[..., None], starts)
          + jnp.einsum("bzncs,bznse->bznce", scores, u))
-  out = jnp.moveaxis(out, 3, 2).reshape(b, padded, n, e)[:, :length]
-  return out, state
-
-
-def _a_log_init(key, heads):
-  """log A, A ~ U[0, 16] per head (fla); kept off 0 so that the log is finite."""
-  a = jax.random.uniform(key, (heads,), jnp.float32, 0.0, A_INIT_MAX)
-  return jnp.log(jnp.maximum(a, jnp.finfo(jnp.float32).tiny))
+  return chunked.merge_chunks(jnp.moveaxis(out, 3, 2), length), state
 
 
 def interleave_steps(x_BxTxNxSx_, num_steps):
@@ -162,7 +152,7 @@ def interleave_steps(x_BxTxNxSx_, num_steps):
   return jnp.swapaxes(x_BxTxNxSx_, 2, 3).reshape(b, t * s, n, *x_BxTxNxSx_.shape[4:])
 
 
-class GatedDeltaNet(base.Mixer):
+class GatedDeltaNet(chunked.ChunkedRecurrentMixer):
   """The delta-rule family of flash-linear-attention's layers (this module's docstring): the
   class attributes below select a member, so DeltaNet and Gated DeltaProduct are subclasses
   that set them (research/model/attention/deltanet.py, gated_deltaproduct.py)."""
@@ -174,7 +164,6 @@ class GatedDeltaNet(base.Mixer):
                      "chunk_size": 64,  # tokens per chunk
                      "allow_neg_eigval": False}  # beta in (0, 2) (arXiv:2411.12537)
   test_settings = {"chunk_size": 8}
-  recurrent = True
   key_head_fraction = 0.75  # fla's head_dim 256 at hidden_size 2048 and 6 heads
   forget_gate = True  # alpha_t = exp(g_t); without it alpha_t = 1 (DeltaNet)
   output_gate = True  # RMSNorm(o) * silu(W_g x); without it RMSNorm(o) (fla's use_gate=False)
@@ -241,15 +230,13 @@ class GatedDeltaNet(base.Mixer):
     self.beta_proj = nn.dense("BLD,DN->BLN", (d, n * steps), ("embed", "heads"), rngs=rngs,
                               dtype=dtype)
     # Depthwise kernels, U[-1/sqrt(W), 1/sqrt(W)] as PyTorch's Conv1d (fla's ShortConvolution).
-    bound = self.conv_width ** -0.5
     self.q_conv, self.k_conv, self.v_conv = (
-        nn.param(jax.random.uniform(rngs.params(), (self.conv_width, n, width), jnp.float32,
-                                    -bound, bound),
-                 ("conv", "heads", "head_dim"), weight_decay=True)
+        modules.short_conv_kernel(rngs, self.conv_width, (n, width), ("heads", "head_dim"))
         for width in (h, steps * h, steps * e))
     if self.forget_gate:  # decay rates and the norm's gain are not weights: no weight decay
-      self.A_log = nn.param(_a_log_init(rngs.params(), n), ("heads",), weight_decay=False)
-      self.dt_bias = nn.param(ssm.dt_bias_init(rngs.params(), (n,)), ("heads",),
+      self.A_log = nn.param(modules.a_log_init(rngs.params(), (n,), *A_INIT_RANGE), ("heads",),
+                            weight_decay=False)
+      self.dt_bias = nn.param(modules.dt_bias_init(rngs.params(), (n,)), ("heads",),
                               weight_decay=False)
     self.norm_scale = nn.param(jnp.ones((e,)), ("head_dim",), weight_decay=False)
     self.out = base.output_projection(n, e, d, rngs=rngs, dtype=dtype)
@@ -260,8 +247,8 @@ class GatedDeltaNet(base.Mixer):
     windows, convolved = [], []
     for project, kernel, window in zip((self.query, self.key, self.value),
                                        (self.q_conv, self.k_conv, self.v_conv), cache["conv"]):
-      y, window = ssm.causal_depthwise_conv(project(x_BxTxD), window, kernel[...],
-                                             segments_BxT=segments_BxT)
+      y, window = modules.causal_depthwise_conv(project(x_BxTxD), window, kernel[...],
+                                                 segments_BxT=segments_BxT)
       convolved.append(jax.nn.silu(y).astype(jnp.float32))
       windows.append(window)
     q_BxTxNxH, k_BxTxNxSH, v_BxTxNxSE = convolved
@@ -285,15 +272,11 @@ class GatedDeltaNet(base.Mixer):
         chunk_size=self.chunk_size * steps,
         segments=None if segments_BxT is None else jnp.repeat(segments_BxT, steps, axis=1))
     o_BxTxNxE = o.reshape(b, t, steps, n, e)[:, :, -1]
-    o_BxTxNxE = (o_BxTxNxE * jax.lax.rsqrt(jnp.mean(o_BxTxNxE ** 2, -1, keepdims=True)
-                                           + NORM_EPSILON) * self.norm_scale[...])
-    if self.output_gate:
-      o_BxTxNxE = o_BxTxNxE * jax.nn.silu(self.gate(x_BxTxD).astype(jnp.float32))
+    if self.output_gate:  # RMSNorm(o) * silu(W_g x)
+      o_BxTxNxE = modules.gated_rms_norm(o_BxTxNxE, self.gate(x_BxTxD), self.norm_scale[...])
+    else:
+      o_BxTxNxE = modules.rms_norm(o_BxTxNxE, self.norm_scale[...])
     return self.out(o_BxTxNxE.astype(self.dtype)), {"conv": tuple(windows), "state": state}
-
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
@@ -302,12 +285,6 @@ class GatedDeltaNet(base.Mixer):
     return {"conv": tuple(jnp.zeros((batch_size, w, n, width), self.dtype)
                           for width in (h, s * h, s * e)),
             "state": jnp.zeros((batch_size, n, h, e), jnp.float32)}
-
-  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
-
-  def decode(self, x_BxTxD, cache, index, documents=None):
-    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
-    return self._mix(x_BxTxD, cache, segments_BxT)
 
   def mixing_flops_per_token(self, context_length):
     n, h, e, s = self.num_heads, self.head_dim, self.value_dim, self.num_steps

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
+from research.model.attention import modules
 from research.model.attention import vector_decay
-
-NORM_EPSILON = 1e-5
 
 
 def _head_dims(settings, model_config):
@@ -35,7 +35,7 @@ def _head_dims(settings, model_config):
           round(model_config.d_model * settings.expand_v) // model_config.num_heads)
 
 
-class GatedLinearAttention(base.Mixer):
+class GatedLinearAttention(chunked.ChunkedRecurrentMixer):
   # Chunks of 32 in sub-chunks of 8, as RWKV-6's (the same kernel; tuned on a 2-core CPU);
   # fla's chunk_gla uses 64 / 16 on GPUs.
   hyperparameters = {"expand_k": 0.5,  # key width = expand_k * d_model
@@ -45,7 +45,6 @@ class GatedLinearAttention(base.Mixer):
                      "chunk_size": 32,
                      "sub_chunk_size": 8}
   test_settings = {"chunk_size": 8, "sub_chunk_size": 4}
-  recurrent = True
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -96,25 +95,13 @@ class GatedLinearAttention(base.Mixer):
     o_BxTxNxE, state = vector_decay.chunked_vector_decay(
         q_BxTxNxH, k_BxTxNxH, v_BxTxNxE, log_decay_BxTxNxH, cache["state"],
         chunk_size=self.chunk_size, sub_chunk_size=self.sub_chunk_size, segments=segments_BxT)
-    o_BxTxNxE = (o_BxTxNxE * jax.lax.rsqrt(jnp.mean(o_BxTxNxE ** 2, -1, keepdims=True)
-                                           + NORM_EPSILON)
-                 * self.norm_scale[...] * jax.nn.silu(self.gate(x_BxTxD).astype(jnp.float32)))
+    o_BxTxNxE = modules.gated_rms_norm(o_BxTxNxE, self.gate(x_BxTxD), self.norm_scale[...])
     return self.out(o_BxTxNxE.astype(self.dtype)), {"state": state}
-
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
     return {"state": jnp.zeros((batch_size, self.num_heads, self.head_dim, self.value_dim),
                                jnp.float32)}
-
-  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
-
-  def decode(self, x_BxTxD, cache, index, documents=None):
-    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
-    return self._mix(x_BxTxD, cache, segments_BxT)
 
   def mixing_flops_per_token(self, context_length):
     n, h, e = self.num_heads, self.head_dim, self.value_dim

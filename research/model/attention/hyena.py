@@ -64,7 +64,7 @@ from flax import nnx
 from research.model import nn
 from research.model.attention import base
 from research.model.attention import masks
-from research.model.attention import ssm
+from research.model.attention import modules
 
 HIGHEST = jax.lax.Precision.HIGHEST
 INIT_STD = 0.02  # zoology/model.py _init_weights: initializer_range
@@ -178,13 +178,6 @@ def fft_conv_flops_per_token(length, channels):
   return channels * (3 * 2.5 * n * math.log2(n) + 6 * (n // 2 + 1)) / length
 
 
-def conv1d_default_init(width):
-  """PyTorch's Conv1d default for a depthwise kernel (fan-in = width): U(-1/sqrt(W), 1/sqrt(W)),
-  its weight and bias alike."""
-  bound = 1.0 / math.sqrt(width)
-  return lambda key, shape: jax.random.uniform(key, shape, jnp.float32, -bound, bound)
-
-
 class Hyena(base.Mixer):
   hyperparameters = {"l_max": 1024,  # the filter's time scale: t_n = n / (l_max - 1)
                      "filter_order": 64,  # width of the filter MLP
@@ -236,10 +229,9 @@ class Hyena(base.Mixer):
     normal = nnx.initializers.normal(INIT_STD)
     self.in_proj = nn.dense("BLD,DE->BLE", (d, 3 * d), ("embed", "mlp"), bias_shape=(3 * d,),
                             bias_axes=("mlp",), rngs=rngs, dtype=dtype, init=normal)
-    conv_init = conv1d_default_init(self.short_width)
-    self.short_kernel = nn.param(conv_init(rngs.params(), (self.short_width, 3 * d)),
-                                 ("conv", "mlp"), weight_decay=True)
-    self.short_bias = nn.param(conv_init(rngs.params(), (3 * d,)), ("mlp",), weight_decay=False)
+    # PyTorch's Conv1d default, U(-1/sqrt(W), 1/sqrt(W)), for the kernel and the bias alike.
+    self.short_kernel = modules.short_conv_kernel(rngs, self.short_width, 3 * d, ("mlp",))
+    self.short_bias = modules.short_conv_bias(3 * d, ("mlp",), rngs=rngs, width=self.short_width)
     # The implicit filter: an MLP of z_n with Sin activations (one shared frequency vector);
     # Filter declares weight decay 0 for it.
     widths = [self.emb_dim] + [order] * (1 + int(settings.num_inner_mlps))
@@ -276,8 +268,8 @@ class Hyena(base.Mixer):
 
   def _gated_inputs(self, x_BxTxD, window, segments_BxT=None):
     u = self.in_proj(x_BxTxD)
-    u, window = ssm.causal_depthwise_conv(u, window, self.short_kernel[...], self.short_bias[...],
-                                          segments_BxT)
+    u, window = modules.causal_depthwise_conv(u, window, self.short_kernel[...],
+                                              self.short_bias[...], segments_BxT)
     x1, x2, v = jnp.split(u, 3, axis=-1)
     return v * x1, x2, window
 
@@ -303,7 +295,7 @@ class Hyena(base.Mixer):
   document_decode_refusal = classmethod(base.no_refusal)
 
   def decode(self, x_BxTxD, cache, index, documents=None):
-    v, x2, window = self._gated_inputs(x_BxTxD, *ssm.decode_window(cache["conv"], documents))
+    v, x2, window = self._gated_inputs(x_BxTxD, *modules.decode_window(cache["conv"], documents))
     history = write_history(cache["history"], v, index)
     long = history_causal_conv(history, cache["filter"], index, x_BxTxD.shape[1], documents)
     return self._output(long, v, x2), {**cache, "conv": window, "history": history}

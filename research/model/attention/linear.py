@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import masks
 from research.model.positions import QK
 
@@ -57,12 +58,10 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
   k_rot = k if transform_k is None else transform_k(k)
   rotated = q_rot is not q or k_rot is not k
   chunk = min(chunk_size, length)
-  padded = -(-length // chunk) * chunk
-  z = padded // chunk
+  padded = chunked.num_chunks(length, chunk) * chunk
 
   def to_chunks(x):  # [B, L, N, H] -> [B, N, Z, C, H] (heads and chunks before tokens)
-    x = jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])  # adds nothing to the state
-    return x.reshape(b, z, chunk, n, h).transpose(0, 3, 1, 2, 4)
+    return chunked.split_chunks(x, chunk).transpose(0, 3, 1, 2, 4)  # padding adds nothing
 
   same, sees_state, keeps, adds = masks.all_chunk_segments(
       jnp.zeros((b, length), jnp.int32) if segments is None else segments, padded, chunk)
@@ -85,14 +84,15 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
   denominator = (scores.sum(-1)
                  + jnp.einsum("bnzch,bnzh->bnzc", q_c * sees_state, normalizer_in))
   out = numerator / (denominator[..., None] + EPSILON)  # [B, N, Z, C, H]
-  out = out.transpose(0, 2, 3, 1, 4).reshape(b, padded, n, h)
-  return out[:, :length], (state_out, normalizer_out)
+  return chunked.merge_chunks(out.transpose(0, 2, 3, 1, 4), length), (state_out, normalizer_out)
 
 
-class LinearAttention(base.Mixer):
+class LinearAttention(chunked.ChunkedRecurrentMixer):
   hyperparameters = {"feature_map": "elu", "chunk_size": 64}
   test_settings = {"chunk_size": 8}
   position_hooks = frozenset({QK})
+  reads_positions = True  # phi(q) and phi(k) rotate with the scheme (qk)
+  recurrent = False
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -115,7 +115,7 @@ class LinearAttention(base.Mixer):
         base.head_projection(d, n, h, "heads", rngs=rngs, dtype=self.dtype) for _ in range(3))
     self.out = base.output_projection(n, h, d, rngs=rngs, dtype=self.dtype)
 
-  def _mix(self, x_BxTxD, state, positions_BxT, segments_BxT=None):
+  def _mix(self, x_BxTxD, state, segments_BxT=None, *, positions_BxT):
     y, state = chunked_linear_attention(
         self.query(x_BxTxD), self.key(x_BxTxD), self.value(x_BxTxD), state,
         feature_map=self.feature_map, chunk_size=self.chunk_size,
@@ -123,19 +123,11 @@ class LinearAttention(base.Mixer):
         transform_k=lambda x: self.position.keys(x, positions_BxT), segments=segments_BxT)
     return self.out(y.astype(self.dtype)), state
 
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), positions_BxL,
-                     segments_BxL)[0]
-
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
     n, h = self.num_heads, self.head_dim
-    return (jnp.zeros((batch_size, n, h, h), jnp.float32), jnp.zeros((batch_size, n, h), jnp.float32))
-
-  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
-
-  def decode(self, x_BxTxD, cache, index, documents=None):
-    return self._mix(x_BxTxD, *base.decode_inputs(self, x_BxTxD, cache, index, documents))
+    return (jnp.zeros((batch_size, n, h, h), jnp.float32),
+            jnp.zeros((batch_size, n, h), jnp.float32))
 
   def mixing_flops_per_token(self, context_length):
     n, h, c = self.num_heads, self.head_dim, min(self.chunk_size, context_length)

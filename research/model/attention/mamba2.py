@@ -39,11 +39,11 @@ from flax import nnx
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import masks
-from research.model.attention.ssm import causal_depthwise_conv, dt_bias_init
+from research.model.attention import modules
 
-A_INIT_RANGE = (1.0, 16.0)
-NORM_EPSILON = 1e-5
+A_INIT_RANGE = (1.0, 16.0)  # A ~ U[1, 16] per head
 
 
 def _intra_chunk(xdt_KxHxCxP, cum_KxHxC, same_KxCxC, B_KxCxN, C_KxCxN):
@@ -72,12 +72,12 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
   """
   b, length, heads, p = x.shape
   chunk = min(chunk_size, length)
-  padded = -(-length // chunk) * chunk
-  num_chunks = padded // chunk
+  num_chunks = chunked.num_chunks(length, chunk)
+  padded = num_chunks * chunk
 
   def to_chunks(t):  # [b, L, ...] -> [K = b * chunks, C, ...]; dt = 0 padding keeps the state
-    t = jnp.pad(t, [(0, 0), (0, padded - length)] + [(0, 0)] * (t.ndim - 2))
-    return t.reshape(b * num_chunks, chunk, *t.shape[2:])
+    t = chunked.split_chunks(t, chunk)
+    return t.reshape(b * num_chunks, *t.shape[2:])
 
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
@@ -108,25 +108,20 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
                                   starts.reshape(states_KxHxPxN.shape))
   y_KxHxCxP += jnp.exp(cum_KxHxC)[..., None] * from_state_KxHxCxP
   y = y_KxHxCxP.reshape(b, num_chunks, heads, chunk, p).swapaxes(2, 3)
-  return y.reshape(b, padded, heads, p)[:, :length], h
+  return chunked.merge_chunks(y, length), h
 
 
-def _a_log_init(key, shape, dtype=jnp.float32):
-  return jnp.log(jax.random.uniform(key, shape, dtype, *A_INIT_RANGE))
+def gated_rms_norm(y_TxE, z_TxE, scale_E, eps=modules.NORM_EPSILON):
+  """RMSNorm(y * silu(z)) * scale over the inner width, in float32 (modules.gated_rms_norm,
+  gating before the norm); the scale broadcast to the full shape (see Mamba2._mix)."""
+  return modules.gated_rms_norm(y_TxE, z_TxE, jnp.broadcast_to(scale_E, y_TxE.shape), eps=eps,
+                                norm_before_gate=False)
 
 
-def gated_rms_norm(y_TxE, z_TxE, scale_E, eps=NORM_EPSILON):
-  """RMSNorm(y * silu(z)) * scale over the inner width, in float32."""
-  gated = y_TxE.astype(jnp.float32) * jax.nn.silu(z_TxE.astype(jnp.float32))
-  normalized = gated * jax.lax.rsqrt(jnp.mean(jnp.square(gated), -1, keepdims=True) + eps)
-  return normalized * jnp.broadcast_to(scale_E, normalized.shape)  # see Mamba2._mix
-
-
-class Mamba2(base.Mixer):
+class Mamba2(chunked.ChunkedRecurrentMixer):
   hyperparameters = {"state_size": 64, "head_dim": 64, "expand": 2, "conv_width": 4,
                      "chunk_size": 64}
   test_settings = {"chunk_size": 8, "state_size": 8, "head_dim": 16}
-  recurrent = True
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -158,16 +153,18 @@ class Mamba2(base.Mixer):
     self.B_proj, self.C_proj = projection(n, "state"), projection(n, "state")
     self.dt_proj = projection(self.num_heads, "heads")
     conv_init = nnx.initializers.lecun_normal(in_axis=0, out_axis=1)
+    streams = (("x", e, "mlp"), ("B", n, "state"), ("C", n, "state"))
     self.conv_kernels = nnx.Dict({
-        name: nn.param(conv_init(rngs.params(), (w, width)), ("conv", axis), weight_decay=True)
-        for name, width, axis in (("x", e, "mlp"), ("B", n, "state"), ("C", n, "state"))})
-    self.conv_biases = nnx.Dict({
-        name: nn.param(jnp.zeros((width,)), (axis,), weight_decay=False)
-        for name, width, axis in (("x", e, "mlp"), ("B", n, "state"), ("C", n, "state"))})
+        name: modules.short_conv_kernel(rngs, w, width, (axis,), init=conv_init)
+        for name, width, axis in streams})
+    self.conv_biases = nnx.Dict({name: modules.short_conv_bias(width, (axis,))
+                                 for name, width, axis in streams})
     # Decay rates, time steps and gains, not weights: no weight decay.
     h = self.num_heads
-    self.dt_bias = nn.param(dt_bias_init(rngs.params(), (h,)), ("heads",), weight_decay=False)
-    self.A_log = nn.param(_a_log_init(rngs.params(), (h,)), ("heads",), weight_decay=False)
+    self.dt_bias = nn.param(modules.dt_bias_init(rngs.params(), (h,)), ("heads",),
+                            weight_decay=False)
+    self.A_log = nn.param(modules.a_log_init(rngs.params(), (h,), *A_INIT_RANGE), ("heads",),
+                          weight_decay=False)
     self.D = nn.param(jnp.ones((h,)), ("heads",), weight_decay=False)
     self.norm_scale = nn.param(jnp.ones((e,)), ("mlp",), weight_decay=False)
     self.out_proj = nn.dense("...E,ED->...D", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
@@ -180,7 +177,7 @@ class Mamba2(base.Mixer):
     u_TxD = u_BxTxD.reshape(b * t, d)
     streams, windows = {}, {}
     for name, proj in (("x", self.x_proj), ("B", self.B_proj), ("C", self.C_proj)):
-      y, windows[name] = causal_depthwise_conv(
+      y, windows[name] = modules.causal_depthwise_conv(
           proj(u_TxD).reshape(b, t, -1), cache["conv"][name], self.conv_kernels[name][...],
           self.conv_biases[name][...], segments_BxT)
       streams[name] = jax.nn.silu(y).astype(jnp.float32)
@@ -196,22 +193,12 @@ class Mamba2(base.Mixer):
     out_TxD = self.out_proj(y_TxE.astype(self.dtype))
     return out_TxD.reshape(b, t, d), {"conv": windows, "ssm": h}
 
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
-
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
     window = lambda width: jnp.zeros((batch_size, self.conv_width - 1, width), self.dtype)
     n = self.state_size
     return {"conv": {"x": window(self.d_inner), "B": window(n), "C": window(n)},
             "ssm": jnp.zeros((batch_size, self.num_heads, self.head_dim, n), jnp.float32)}
-
-  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
-
-  def decode(self, x_BxTxD, cache, index, documents=None):
-    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
-    return self._mix(x_BxTxD, cache, segments_BxT)
 
   def mixing_flops_per_token(self, context_length):
     e, h, p, n = self.d_inner, self.num_heads, self.head_dim, self.state_size

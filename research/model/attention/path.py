@@ -64,27 +64,21 @@ import jax.numpy as jnp
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import core
 from research.model.attention import gated_deltanet
 from research.model.attention import masks
-from research.model.attention import ssm
-
-NORM_EPSILON = 1e-5  # fla's RMSNorm (the optional qk norm)
-
-
-def _split_chunks(x, chunk):
-  """[..., T, F] -> [..., Z, C, F], zero-padded to Z C tokens (zero w and beta: H = I)."""
-  t = x.shape[-2]
-  num_chunks = -(-t // chunk)
-  x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, num_chunks * chunk - t), (0, 0)])
-  return x.reshape(*x.shape[:-2], num_chunks, chunk, x.shape[-1])
+from research.model.attention import modules
 
 
 def chunk_factors(k_BxKxTxH, w_BxKxTxH, beta_BxKxT, chunk):
   """Per chunk (module docstring): the keys k, the keys moved to their chunk's end k~, w,
-  T diag(beta) W (w_beta), and U; float32, [B, K, Z, C, H] ([.., C, C] for U)."""
-  k, w = (_split_chunks(x.astype(jnp.float32), chunk) for x in (k_BxKxTxH, w_BxKxTxH))
-  beta = _split_chunks(beta_BxKxT.astype(jnp.float32)[..., None], chunk)  # [B, K, Z, C, 1]
+  T diag(beta) W (w_beta), and U; float32, [B, K, Z, C, H] ([.., C, C] for U). The tokens are
+  zero-padded to Z C (zero w and beta: H = I)."""
+  k, w = (chunked.split_chunks(x.astype(jnp.float32), chunk, axis=-2)
+          for x in (k_BxKxTxH, w_BxKxTxH))
+  beta = chunked.split_chunks(beta_BxKxT.astype(jnp.float32)[..., None], chunk,
+                              axis=-2)  # [B, K, Z, C, 1]
   below = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
   eye = jnp.eye(chunk, dtype=jnp.float32)
   system = eye + jnp.where(below, beta * jnp.einsum("bkzch,bkzsh->bkzcs", w, w), 0.0)
@@ -104,7 +98,7 @@ def path_logits(q_BxKxGxTxH, k_BxKxTxH, w_BxKxTxH, beta_BxKxT, chunk_size):
   t = q_BxKxGxTxH.shape[-2]
   chunk = max(1, min(chunk_size, t))
   k, k_end, w, w_beta, coefficients = chunk_factors(k_BxKxTxH, w_BxKxTxH, beta_BxKxT, chunk)
-  q = _split_chunks(q_BxKxGxTxH.astype(jnp.float32), chunk)  # [B, K, G, Z, C, H]
+  q = chunked.split_chunks(q_BxKxGxTxH.astype(jnp.float32), chunk, axis=-2)  # [B, K, G, Z, C, H]
   lower = jnp.tril(jnp.ones((chunk, chunk), bool))
   qw = jnp.where(lower, jnp.einsum("bkgzch,bkzsh->bkgzcs", q, w), 0.0)
   local = (jnp.einsum("bkgzch,bkzsh->bkgzcs", q, k)
@@ -209,11 +203,9 @@ class PaTHAttention(base.Mixer):
                            init=jax.nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2)))
     else:
       self.w_proj = base.head_projection(d, kv, h, "kv_heads", rngs=rngs, dtype=dtype)
-    if self.conv_width:
-      bound = self.conv_width ** -0.5
-      self.w_conv = nn.param(jax.random.uniform(rngs.params(), (self.conv_width, kv, h),
-                                                jnp.float32, -bound, bound),
-                             ("conv", "kv_heads", "head_dim"), weight_decay=True)
+    if self.conv_width:  # U[-1/sqrt(W), 1/sqrt(W)] as PyTorch's Conv1d
+      self.w_conv = modules.short_conv_kernel(rngs, self.conv_width, (kv, h),
+                                              ("kv_heads", "head_dim"))
     self.beta_proj = nn.dense("BLD,DK->BLK", (d, kv), ("embed", "kv_heads"), rngs=rngs,
                               dtype=dtype, bias_shape=(kv,), bias_axes=("kv_heads",))
     if self.use_forget_gate:
@@ -239,14 +231,13 @@ class PaTHAttention(base.Mixer):
     kv, g = self.num_kv_heads, self.kv_group_size()
     q = self.position.queries(self.query(x_BxTxD), positions_BxT).astype(jnp.float32)
     k = self.position.keys(self.key(x_BxTxD), positions_BxT).astype(jnp.float32)
-    if self.use_qk_norm:
-      rms = lambda x, s: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True)  # noqa: E731
-                                           + NORM_EPSILON) * s[...]
-      q, k = rms(q, self.q_norm_scale), rms(k, self.k_norm_scale)
+    if self.use_qk_norm:  # fla's RMSNorm, eps 1e-5
+      q, k = (modules.rms_norm(q, self.q_norm_scale[...]),
+              modules.rms_norm(k, self.k_norm_scale[...]))
     w = self.w_up(self.w_down(x_BxTxD)) if self.w_rank else self.w_proj(x_BxTxD)
     if self.conv_width:
-      w, conv_window = ssm.causal_depthwise_conv(w, conv_window, self.w_conv[...],
-                                                 segments_BxT=segments_BxT)
+      w, conv_window = modules.causal_depthwise_conv(w, conv_window, self.w_conv[...],
+                                                     segments_BxT=segments_BxT)
       w = jax.nn.silu(w)
     w = gated_deltanet.l2_normalize(w.astype(jnp.float32))
     beta = 2.0 * jax.nn.sigmoid(self.beta_proj(x_BxTxD).astype(jnp.float32))
@@ -316,7 +307,7 @@ class PaTHAttention(base.Mixer):
     b, t, _ = x_BxTxD.shape
     n, slots = self.num_heads, cache["key"].shape[2]
     index_1xT, positions_BxT, segments_BxT = base.decode_positions(index, t, documents)
-    conv, _ = ssm.decode_window(cache["conv"], documents)
+    conv, _ = modules.decode_window(cache["conv"], documents)
     q, k, w, beta, v, c, window = self._project(
         x_BxTxD, positions_BxT, conv, segments_BxT, continues_cache=True)
     new_scores, q_start = path_logits(q, k, w, beta, self.chunk_size)

@@ -51,7 +51,9 @@ from flax import nnx
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import masks
+from research.model.attention import modules
 from research.model.positions import QK
 from research.model.positions.rope import FREQUENCIES
 
@@ -78,33 +80,23 @@ def chunked_retention(q, k, v, gamma_N, state, *, chunk_size=64, segments=None):
   """Retention of q, k (scaled by the caller), v [B, L, N, H] from `state` [B, N, H, H]
   in chunks of chunk_size; segments [B, L] restart the state at each segment start (the state
   passed in belongs to the first token's segment). Returns (outputs [B, L, N, H], final state)."""
-  b, length, n, h = q.shape
+  b, length = q.shape[:2]
   chunk = min(chunk_size, length)
-  padded = -(-length // chunk) * chunk
-  num_chunks = padded // chunk
-
-  def to_chunks(x):
-    x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
-    return x.reshape(b, num_chunks, chunk, *x.shape[2:]).swapaxes(0, 1)
-
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
-  segments = jnp.pad(segments, [(0, 0), (0, padded - length)], mode="edge")
-  valid = (jnp.arange(padded) < length).astype(jnp.float32).reshape(num_chunks, chunk)
-  chunks = (segments.reshape(b, num_chunks, chunk).swapaxes(0, 1), valid,
-            to_chunks(q), to_chunks(k), to_chunks(v))
+  time_major = lambda x: x.swapaxes(0, 1)  # noqa: E731  [B, Z, C, ...] -> [Z, B, C, ...]
+  # Segment ids padded with the last one (padding joins the last segment); the padding tokens
+  # neither decay nor add (valid 0).
+  valid = chunked.split_chunks(jnp.ones((length,), jnp.float32), chunk, axis=0)
+  chunks = (time_major(chunked.split_chunks(segments, chunk, mode="edge")), valid,
+            *(time_major(chunked.split_chunks(x, chunk)) for x in (q, k, v)))
   log_gamma = jnp.log(jnp.asarray(gamma_N, jnp.float32))
   body = jax.checkpoint(lambda carry, c: _chunk(log_gamma, carry, c))
   (state, _), out = jax.lax.scan(body, (state, segments[:, 0]), chunks)
-  return out.swapaxes(0, 1).reshape(b, padded, n, h)[:, :length], state
+  return chunked.merge_chunks(time_major(out), length), state
 
 
 NORM_EPSILON = 1e-6  # torchscale's layernorm_eps for RetNet
-
-
-def head_rms_norm(y_BxLxNxH, eps=NORM_EPSILON):
-  """Each head's output over its head dim to unit root mean square, no affine parameters."""
-  return y_BxLxNxH * jax.lax.rsqrt(jnp.mean(jnp.square(y_BxLxNxH), -1, keepdims=True) + eps)
 
 
 def _xavier_uniform(gain, in_axis, out_axis):
@@ -112,10 +104,14 @@ def _xavier_uniform(gain, in_axis, out_axis):
                                            out_axis=out_axis)
 
 
-class Retention(base.Mixer):
+class Retention(chunked.ChunkedRecurrentMixer):
   hyperparameters = {"chunk_size": 64, "rotary_frequencies": "retnet"}
   test_settings = {"chunk_size": 8}
   position_hooks = frozenset({QK})
+  # The queries and keys rotate with the scheme (qk), so the mixer reads positions; the decay
+  # counts tokens, not positions (which may be randomized or restart per document).
+  reads_positions = True
+  recurrent = False
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -147,30 +143,21 @@ class Retention(base.Mixer):
     self.out = base.output_projection(n, h, d, rngs=rngs, dtype=dtype,
                                       init=_xavier_uniform(2 ** -1, in_axis=(0, 1), out_axis=2))
 
-  def _mix(self, x_BxTxD, state, positions_BxT, segments_BxT=None):
+  def _mix(self, x_BxTxD, state, segments_BxT=None, *, positions_BxT):
     q, k, v = (f(x_BxTxD).astype(jnp.float32) for f in (self.query, self.key, self.value))
     q = self.position.queries(q, positions_BxT)
     k = self.position.keys(k / np.sqrt(self.head_dim), positions_BxT)
     y_BxTxNxH, state = chunked_retention(q, k, v, self.gamma, state, chunk_size=self.chunk_size,
                                          segments=segments_BxT)
-    gated = jax.nn.silu(self.gate(x_BxTxD)) * head_rms_norm(y_BxTxNxH).astype(self.dtype)
+    # swish(X W_G) * GroupNorm(o): each head RMS-normalised, no affine parameters.
+    gated = modules.gated_rms_norm(y_BxTxNxH, self.gate(x_BxTxD), eps=NORM_EPSILON,
+                                   dtype=self.dtype)
     return self.out(gated), state
-
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    # The decay counts tokens, not positions (which may be randomized or restart per document).
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), positions_BxL,
-                     segments_BxL)[0]
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
     h = self.head_dim
     return jnp.zeros((batch_size, self.num_heads, h, h), jnp.float32)
-
-  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
-
-  def decode(self, x_BxTxD, state_BxNxHxH, index, documents=None):
-    return self._mix(x_BxTxD, *base.decode_inputs(self, x_BxTxD, state_BxNxHxH, index,
-                                                  documents))
 
   def mixing_flops_per_token(self, context_length):
     # Within a chunk: q k^T and scores @ v (2 FLOPs per multiply-add) over (C + 1) / 2 keys on

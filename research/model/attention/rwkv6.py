@@ -43,10 +43,12 @@ from flax import nnx
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import masks
+from research.model.attention import modules
 from research.model.attention import vector_decay
 
-NORM_EPSILON = 64e-5
+NORM_EPSILON = 64e-5  # the GroupNorm's (RWKV-7's too)
 DEPTH_RATIO = 0.5  # the reference's layer_id / n_layer, which a mixer here does not know
 STREAMS = ("w", "k", "v", "r", "g")  # the ddlerp outputs, in the reference's order
 
@@ -85,26 +87,16 @@ def mix_coefficients(d_model, power):
   return 1.0 - (jnp.arange(d_model, dtype=jnp.float32) / d_model) ** power
 
 
-class ShiftAndMatrixState(base.Mixer):
-  """The sequence, cache and decode methods of the RWKV time mixes: a decode state of the last
-  token (the token shift) and a [H, H] matrix per head, both carried by `_mix(x, cache,
-  segments) -> (y, cache)`, which a subclass defines (with num_heads, head_dim, dtype)."""
-
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
+class ShiftAndMatrixState(chunked.ChunkedRecurrentMixer):
+  """The cache of the RWKV time mixes: a decode state of the last token (the token shift) and a
+  [H, H] matrix per head, both carried by `_mix(x, cache, segments) -> (y, cache)`, which a
+  subclass defines (with num_heads, head_dim, dtype)."""
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
     n, h = self.num_heads, self.head_dim
     return {"shift": jnp.zeros((batch_size, n * h), self.dtype),
             "state": jnp.zeros((batch_size, n, h, h), jnp.float32)}
-
-  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
-
-  def decode(self, x_BxTxD, cache, index, documents=None):
-    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
-    return self._mix(x_BxTxD, cache, segments_BxT)
 
 
 class RWKV6(ShiftAndMatrixState):
@@ -116,7 +108,6 @@ class RWKV6(ShiftAndMatrixState):
                      "mix_lora_rank": 32,
                      "decay_lora_rank": 64}
   test_settings = {"chunk_size": 8, "sub_chunk_size": 4}
-  recurrent = True
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -186,10 +177,8 @@ class RWKV6(ShiftAndMatrixState):
     o_BxTxNxH, state = chunked_rwkv6(
         r_BxTxNxH, k_BxTxNxH, v_BxTxNxH, log_decay_BxTxNxH, self.bonus[...], cache["state"],
         chunk_size=self.chunk_size, sub_chunk_size=self.sub_chunk_size, segments=segments_BxT)
-    mean = o_BxTxNxH.mean(-1, keepdims=True)
-    variance = jnp.square(o_BxTxNxH - mean).mean(-1, keepdims=True)
-    normalised = ((o_BxTxNxH - mean) * jax.lax.rsqrt(variance + NORM_EPSILON)
-                  * self.norm_scale[...] + self.norm_bias[...])
+    normalised = modules.group_norm(o_BxTxNxH, self.norm_scale[...], self.norm_bias[...],
+                                    eps=NORM_EPSILON)
     return (self.out((normalised * g_BxTxNxH).astype(self.dtype)),
             {"shift": last, "state": state})
 

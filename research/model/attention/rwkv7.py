@@ -85,11 +85,13 @@ from flax import nnx
 
 from research.model import nn
 from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import gated_deltanet
 from research.model.attention import masks
+from research.model.attention import modules
 from research.model.attention import rwkv6
 
-NORM_EPSILON = 64e-5
+NORM_EPSILON = rwkv6.NORM_EPSILON  # the GroupNorm's, 64e-5
 NORMALIZE_EPSILON = 1e-12
 LOG_DECAY_SCALE = math.exp(-0.5)  # log w = -e^{-1/2} sigmoid(.) > -0.61
 MAX_CHUNK = 64  # e^{64 e^{-1/2}} = e^{38.8}: factored decay ratios stay finite in float32
@@ -133,15 +135,12 @@ def chunked_rwkv7(r, log_decay, k, v, kk, a, state, *, chunk_size=32, segments=N
   e = v.shape[-1]
   chunk = min(chunk_size, length)
   assert chunk <= MAX_CHUNK, chunk
-  num_chunks = -(-length // chunk)
-  padded = num_chunks * chunk
-
-  def to_chunks(x):  # [B, L, N, F] -> [B, Z, N, C, F] for Z chunks of C tokens
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, padded - length), (0, 0), (0, 0)])
-    return jnp.moveaxis(x.reshape(b, num_chunks, chunk, n, x.shape[-1]), 2, 3)
-
-  # Zero padding (log w = 0, k = kk = 0) leaves the state as it is.
-  r, log_decay, k, v, kk, a = map(to_chunks, (r, log_decay, k, v, kk, a))
+  padded = chunked.num_chunks(length, chunk) * chunk
+  # [B, L, N, F] -> [B, Z, N, C, F] for Z chunks of C tokens. Zero padding (log w = 0,
+  # k = kk = 0) leaves the state as it is.
+  r, log_decay, k, v, kk, a = (
+      jnp.moveaxis(chunked.split_chunks(x.astype(jnp.float32), chunk), 2, 3)
+      for x in (r, log_decay, k, v, kk, a))
   alpha, beta = -kk, kk * a
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
@@ -183,8 +182,7 @@ def chunked_rwkv7(r, log_decay, k, v, kk, a, state, *, chunk_size=32, segments=N
   out = (jnp.einsum("bznch,bznhe->bznce", r_from_start * sees_state, starts)
          + jnp.einsum("bzncs,bznse->bznce", r_k, v)
          + jnp.einsum("bzncs,bznse->bznce", r_beta, u))
-  out = jnp.moveaxis(out, 3, 2).reshape(b, padded, n, e)[:, :length]
-  return out, state
+  return chunked.merge_chunks(jnp.moveaxis(out, 3, 2), length), state
 
 
 def orthogonal(gain):
@@ -224,7 +222,6 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
                      "value_lora_rank": 0}
   test_settings = {"chunk_size": 4, "decay_lora_rank": 8, "a_lora_rank": 8, "gate_lora_rank": 8,
                    "value_lora_rank": 8}
-  recurrent = True
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -287,28 +284,27 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
     self.lora_up[name] = nn.param(orthogonal(gain)(rngs.params(), (rank, n, h)),
                                   ("ssm_proj", "heads", "head_dim"), weight_decay=False)
 
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    return self.call_with_carry(x_BxLxD, positions_BxL, segments_BxL, {})[0]
-
+  # __call__ and decode (chunked.ChunkedRecurrentMixer's) run `_mix`, the layer as the first to
+  # see the carry; the model runs the carry's versions below.
   def call_with_carry(self, x_BxLxD, positions_BxL, segments_BxL, carry):
     del positions_BxL  # order comes from the recurrence
-    y, _, carry = self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL,
-                            carry=carry)
+    y, _, carry = self._mix_with_carry(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0),
+                                       segments_BxL, carry)
     return y, carry
-
-  def decode(self, x_BxTxD, cache, index, documents=None):
-    return self.decode_with_carry(x_BxTxD, cache, index, {}, documents)[:2]
 
   def decode_with_carry(self, x_BxTxD, cache, index, carry, documents=None):
     cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
-    return self._mix(x_BxTxD, cache, segments_BxT, carry=carry)
+    return self._mix_with_carry(x_BxTxD, cache, segments_BxT, carry)
 
   def _lora(self, name, x_BxTxD):
     """activation(x A) B [B, T, N, H] of the low-rank map `name`."""
     hidden_BxTxR = LORA_ACTIVATIONS[name](x_BxTxD @ self.lora_down[name][...])
     return jnp.einsum("btr,rnh->btnh", hidden_BxTxR, self.lora_up[name][...])
 
-  def _mix(self, x_BxTxD, cache, segments_BxT=None, *, carry):
+  def _mix(self, x_BxTxD, cache, segments_BxT=None):
+    return self._mix_with_carry(x_BxTxD, cache, segments_BxT, {})[:2]
+
+  def _mix_with_carry(self, x_BxTxD, cache, segments_BxT, carry):
     """(y, cache, carry): the time mix from `cache`; the first layer to see the carry leaves its
     values in it, a later one with the value residual mixes them into its own."""
     previous, last = rwkv6.token_shift(x_BxTxD, cache["shift"], segments_BxT)
@@ -335,10 +331,7 @@ class RWKV7(rwkv6.ShiftAndMatrixState):
     else:
       o, state = chunked_rwkv7(r, log_decay, k, v, kk, a, cache["state"],
                                chunk_size=self.chunk_size, segments=segments_BxT)
-    mean = o.mean(-1, keepdims=True)
-    variance = jnp.square(o - mean).mean(-1, keepdims=True)
-    o = ((o - mean) * jax.lax.rsqrt(variance + NORM_EPSILON) * self.norm_scale[...]
-         + self.norm_bias[...])
+    o = modules.group_norm(o, self.norm_scale[...], self.norm_bias[...], eps=NORM_EPSILON)
     o = o + jnp.sum(r * k * self.bonus[...], -1, keepdims=True) * v
     return self.out((o * g).astype(self.dtype)), {"shift": last, "state": state}, carry
 

@@ -25,11 +25,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from research.model import nn
-from research.model.attention import base
+from research.model.attention import chunked
 from research.model.attention import core
 from research.model.attention import masks
+from research.model.attention import modules
 
-DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
+# The short convolution and the time step's initialisation live in modules.py (shared by the
+# recurrent mixers); their names here serve code that imports them from this file.
+causal_depthwise_conv = modules.causal_depthwise_conv
+decode_window = modules.decode_window
+dt_bias_init = modules.dt_bias_init
 
 
 def _combine(left, right):
@@ -158,75 +163,28 @@ def chunked_selective_scan(x, delta, A, B, C, h0, *, chunk_size=64, scan="associ
   """
   b, length, _ = x.shape
   chunk = min(chunk_size, length)
-  padded = -(-length // chunk) * chunk
 
-  def to_chunks(t):  # padding has delta = 0: decay 1 and drive 0 leave the state unchanged
-    t = jnp.pad(t, [(0, 0), (0, padded - length), (0, 0)])
-    return t.reshape(b, padded // chunk, chunk, t.shape[-1]).swapaxes(0, 1)
+  def to_chunks(t):  # [b, L, ...] -> [Z, b, C, ...]
+    return chunked.split_chunks(t, chunk).swapaxes(0, 1)
 
-  # keep = 0 drops h_{t-1} at a reset; padding keeps the state (keep 1).
+  # Padding has delta = 0: decay 1 and drive 0 leave the state unchanged. keep = 0 drops h_{t-1}
+  # at a reset; padding keeps the state (keep 1: not a reset).
   resets = jnp.zeros((b, length), bool) if resets is None else resets
-  keep = jnp.pad((~resets).astype(x.dtype), [(0, 0), (0, padded - length)], constant_values=1)
-  keep = keep.reshape(b, padded // chunk, chunk).swapaxes(0, 1)
+  keep = (~to_chunks(resets)).astype(x.dtype)
   chunk_scan = SCANS[scan]
   body = lambda h, c: chunk_scan(h, c, A)
   if scan == "associative":  # the sequential chunk recomputes its states in its own backward
     body = jax.checkpoint(body)
   h, y = jax.lax.scan(body, h0, (*map(to_chunks, (x, delta, B, C)), keep))
-  return y.swapaxes(0, 1).reshape(b, padded, -1)[:, :length], h
+  return chunked.merge_chunks(y.swapaxes(0, 1), length), h
 
 
-def causal_depthwise_conv(x_BxTxF, window_BxWxF, kernel_WxF, bias_F=None, segments_BxT=None):
-  """Causal depthwise convolution of x [B, T, ...channels] (tap W - 1 on the token itself) after
-  the cached window [B, W - 1, ...] of the previous inputs (which belong to the first token's
-  segment); inputs of other segments count as 0. Returns the output and the window for the next
-  call: the last W - 1 inputs, those of other segments than the last token's zeroed, so that
-  the window belongs to the last token's segment (a document that starts among the last W - 1
-  tokens and goes on in the next call sees nothing of the one before it)."""
-  full = jnp.concatenate([window_BxWxF.astype(x_BxTxF.dtype), x_BxTxF], axis=1)
-  kernel = kernel_WxF.astype(x_BxTxF.dtype)
-  t, w = x_BxTxF.shape[1], kernel_WxF.shape[0]
-  taps = [full[:, i:i + t] for i in range(w)]
-  if segments_BxT is not None:
-    segments = jnp.pad(segments_BxT, [(0, 0), (w - 1, 0)], mode="edge")
-    channels = (1,) * (x_BxTxF.ndim - 2)
-    taps = [tap * (segments[:, i:i + t] == segments_BxT).reshape(*segments_BxT.shape, *channels)
-            for i, tap in enumerate(taps)]
-  # Parameters broadcast to the full shape: the gradient then sums over every token axis at
-  # once (XLA:CPU sums slowly over an axis that follows a kept batch axis of size 1).
-  y = sum(tap * jnp.broadcast_to(kernel[i], tap.shape) for i, tap in enumerate(taps))
-  if bias_F is not None:
-    y = y + jnp.broadcast_to(bias_F.astype(y.dtype), y.shape)
-  window = full[:, t:]
-  if segments_BxT is not None:
-    last = (segments[:, t:] == segments_BxT[:, -1:]).reshape(*window.shape[:2], *channels)
-    window = window * last.astype(window.dtype)
-  return y, window
-
-
-def decode_window(window, documents=None):
-  """(a short convolution's cached window, the new tokens' segment ids or None) for
-  `causal_depthwise_conv` in a decode call: with `documents` (masks.DecodeDocuments) the window
-  emptied in the rows whose first new token starts a document."""
-  if documents is None:
-    return window, None
-  return documents.restarted(window, jnp.zeros_like(window)), documents.segments_BxT
-
-
-def dt_bias_init(key, shape, dtype=jnp.float32):
-  """softplus^-1(dt0), dt0 ~ logU[DT_MIN, DT_MAX] floored at DT_FLOOR (paper, section 3.6)."""
-  u = jax.random.uniform(key, shape, jnp.float32)
-  dt = jnp.maximum(jnp.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN)), DT_FLOOR)
-  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
-
-
-class Mamba(base.Mixer):
+class Mamba(chunked.ChunkedRecurrentMixer):
   hyperparameters = {"state_size": 16, "conv_width": 4, "expand": 2,
                      "dt_rank": 0,  # 0: ceil(d_model / 16)
                      "chunk_size": 64,
                      "scan": "auto"}  # within a chunk: associative | sequential | auto
   test_settings = {"chunk_size": 8, "state_size": 4}
-  recurrent = True
 
   @classmethod
   def validate(cls, settings, model_config):
@@ -253,15 +211,15 @@ class Mamba(base.Mixer):
     self.scan = scan_for_backend(settings.scan)
     self.dtype = dtype = nn.compute_dtype(model_config)
     self.in_proj = nn.dense("BLD,DE->BLE", (d, 2 * e), ("embed", "mlp"), rngs=rngs, dtype=dtype)
-    self.conv_kernel = nn.param(
-        nnx.initializers.lecun_normal(in_axis=0, out_axis=1)(rngs.params(), (self.conv_width, e)),
-        ("conv", "mlp"), weight_decay=True)
-    self.conv_bias = nn.param(jnp.zeros((e,)), ("mlp",), weight_decay=False)
+    self.conv_kernel = modules.short_conv_kernel(
+        rngs, self.conv_width, e, ("mlp",),
+        init=nnx.initializers.lecun_normal(in_axis=0, out_axis=1))
+    self.conv_bias = modules.short_conv_bias(e, ("mlp",))
     self.x_proj = nn.dense("BLE,EF->BLF", (e, r + 2 * n), ("mlp", "ssm_proj"), rngs=rngs,
                            dtype=dtype)
     self.dt_proj = nn.dense(
         "BLR,RE->BLE", (r, e), ("ssm_proj", "mlp"), bias_shape=(e,), bias_axes=("mlp",),
-        rngs=rngs, dtype=dtype, bias_init=dt_bias_init,
+        rngs=rngs, dtype=dtype, bias_init=modules.dt_bias_init,
         init=lambda key, shape, dtype: jax.random.uniform(key, shape, dtype, -r ** -0.5, r ** -0.5))
     # A = -exp(A_log) and the skip D are decay rates and gains, not weights: no weight decay.
     self.A_log = nn.param(jnp.log(jnp.tile(jnp.arange(1, n + 1, dtype=jnp.float32), (e, 1))),
@@ -271,8 +229,8 @@ class Mamba(base.Mixer):
 
   def _mix(self, u_BxTxD, cache, segments_BxT=None):
     x, z = jnp.split(self.in_proj(u_BxTxD), 2, axis=-1)
-    x, window = causal_depthwise_conv(x, cache["conv"], self.conv_kernel[...],
-                                      self.conv_bias[...], segments_BxT)
+    x, window = modules.causal_depthwise_conv(x, cache["conv"], self.conv_kernel[...],
+                                              self.conv_bias[...], segments_BxT)
     x = jax.nn.silu(x)
     dt, B, C = jnp.split(self.x_proj(x), [self.dt_rank, self.dt_rank + self.state_size], axis=-1)
     delta = jax.nn.softplus(self.dt_proj(dt).astype(jnp.float32))
@@ -287,20 +245,10 @@ class Mamba(base.Mixer):
     y = (y + jnp.broadcast_to(self.D[...], x32.shape) * x32).astype(self.dtype) * jax.nn.silu(z)
     return self.out_proj(y), {"conv": window, "ssm": h}
 
-  def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
-    del positions_BxL  # order comes from the recurrence
-    return self._mix(x_BxLxD, self.init_cache(x_BxLxD.shape[0], 0), segments_BxL)[0]
-
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
     return {"conv": jnp.zeros((batch_size, self.conv_width - 1, self.d_inner), self.dtype),
             "ssm": jnp.zeros((batch_size, self.d_inner, self.state_size), jnp.float32)}
-
-  document_decode_refusal = classmethod(base.no_refusal)  # restarts at each document
-
-  def decode(self, x_BxTxD, cache, index, documents=None):
-    cache, _, segments_BxT = base.decode_inputs(self, x_BxTxD, cache, index, documents)
-    return self._mix(x_BxTxD, cache, segments_BxT)
 
   def mixing_flops_per_token(self, context_length):
     del context_length

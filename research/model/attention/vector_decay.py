@@ -32,6 +32,7 @@ token's segment.
 import jax
 import jax.numpy as jnp
 
+from research.model.attention import chunked
 from research.model.attention import masks
 
 
@@ -51,22 +52,19 @@ def chunked_vector_decay(q, k, v, log_decay, state, *, bonus=None, chunk_size=32
   sub_chunk_size. Returns (o [B, L, N, E], final state), float32.
   """
   b, length, n, h = q.shape
-  e = v.shape[-1]
   chunk = min(chunk_size, length)
   sub = sub_chunk_length(chunk, sub_chunk_size)
   num_sub = chunk // sub
-  num_chunks = -(-length // chunk)
+  num_chunks = chunked.num_chunks(length, chunk)
   padded = num_chunks * chunk
 
-  def to_chunks(x):  # [B, L, N, F] -> [B, Z, N, C, F] for Z chunks of C tokens
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, padded - length), (0, 0), (0, 0)])
-    return jnp.moveaxis(x.reshape(b, num_chunks, chunk, n, x.shape[-1]), 2, 3)
-
   def to_sub_chunks(x):  # [..., C, F] -> [..., P, c, F] for P sub-chunks of c tokens
-    return x.reshape(*x.shape[:-2], num_sub, sub, x.shape[-1])
+    return chunked.split_chunks(x, sub, axis=-2)
 
-  # Zero padding (log w = 0, k = 0) leaves the state as it is.
-  q, k, v, log_decay = map(to_chunks, (q, k, v, log_decay))
+  # [B, L, N, F] -> [B, Z, N, C, F] for Z chunks of C tokens. Zero padding (log w = 0, k = 0)
+  # leaves the state as it is.
+  q, k, v, log_decay = (jnp.moveaxis(chunked.split_chunks(x.astype(jnp.float32), chunk), 2, 3)
+                        for x in (q, k, v, log_decay))
   if segments is None:
     segments = jnp.zeros((b, length), jnp.int32)
   same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
@@ -115,5 +113,4 @@ def chunked_vector_decay(q, k, v, log_decay, state, *, bonus=None, chunk_size=32
                                (to_scan(chunk_decay_BxZxNxH), to_scan(chunk_kv)))
   out = (jnp.einsum("bznch,bznhe->bznce", q * from_start, jnp.moveaxis(starts, 0, 1))
          + jnp.einsum("bzncs,bznse->bznce", scores, v))
-  out = jnp.moveaxis(out, 3, 2).reshape(b, padded, n, e)[:, :length]
-  return out, state
+  return chunked.merge_chunks(jnp.moveaxis(out, 3, 2), length), state
