@@ -17,6 +17,7 @@ from research.model.attention.hyena import Hyena
 from research.model.attention.linear import LinearAttention
 from research.model.attention.log_linear_mamba2 import LogLinearMamba2
 from research.model.attention.mamba2 import Mamba2
+from research.model.attention.mamba3 import Mamba3
 from research.model.attention.mla import MultiHeadLatentAttention
 from research.model.attention.moba import MoBA
 from research.model.attention.nsa import NativeSparseAttention
@@ -57,6 +58,7 @@ REGISTRY.register("rwkv7", RWKV7)
 REGISTRY.register("nsa", NativeSparseAttention)
 REGISTRY.register("path", PaTHAttention)
 REGISTRY.register("sigmoid", SigmoidAttention)
+REGISTRY.register("mamba3", Mamba3)
 REGISTRY.register("log_linear_mamba2", LogLinearMamba2)
 
 
