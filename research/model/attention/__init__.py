@@ -14,6 +14,7 @@ from research.model.attention.gated_deltanet import GatedDeltaNet
 from research.model.attention.gated_deltaproduct import GatedDeltaProduct
 from research.model.attention.gla import GatedLinearAttention
 from research.model.attention.hyena import Hyena
+from research.model.attention.kda import KimiDeltaAttention
 from research.model.attention.linear import LinearAttention
 from research.model.attention.log_linear_mamba2 import LogLinearMamba2
 from research.model.attention.mamba2 import Mamba2
@@ -58,6 +59,7 @@ REGISTRY.register("rwkv7", RWKV7)
 REGISTRY.register("nsa", NativeSparseAttention)
 REGISTRY.register("path", PaTHAttention)
 REGISTRY.register("sigmoid", SigmoidAttention)
+REGISTRY.register("kda", KimiDeltaAttention)
 REGISTRY.register("mamba3", Mamba3)
 REGISTRY.register("log_linear_mamba2", LogLinearMamba2)
 
