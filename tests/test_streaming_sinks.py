@@ -28,7 +28,6 @@ from flax import nnx
 
 import research
 from research.model import attention
-from research.model import positions as positions_lib
 from research.model.attention import core, masks
 from research.model.attention.softmax import SINK_POSITIONS
 from research.model.positions import alibi_slopes

@@ -23,7 +23,7 @@ unchanged while it has it.
 import difflib
 import json
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import ml_collections
 
