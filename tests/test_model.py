@@ -105,8 +105,8 @@ def test_per_layer_schemes_are_built_per_layer_and_shared_ones_once():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(attention="flash"), "unknown attention type 'flash'.*valid: .*gqa, .*linear, mamba"),
-    (dict(position="t6"), "unknown position scheme 't6'.*valid: alibi, cope, fire, kerple, learned, none, prope, rope, sinusoidal, t5, xpos"),
+    (dict(attention="flash"), "unknown attention type 'flash'.*valid: .*gqa, .*linear, .*mamba"),
+    (dict(position="t6"), "unknown position scheme 't6'.*valid: alibi, cope, fire, kerple, learned, none, prope, rope, sinusoidal, ssmax, t5, xpos"),
     (dict(attention="gqa", num_kv_heads=3), r"num_kv_heads=3 does not divide num_heads=4; valid: \[1, 2, 4\]"),
     (dict(d_model=30), "d_model=30 is not divisible by num_heads=4"),
     (dict(d_model=12, position="rope"), "rotary positions need an even number of rotary dims.*got 3"),

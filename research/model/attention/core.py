@@ -81,6 +81,7 @@ xla and blockwise for the others as for softmax.
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -539,9 +540,10 @@ def _attend_normalised(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, normaliser, *, scale, sc
     if score_mod is not None and score_mod.query_scale is not None:
       score_mod, inputs, sink_queries = _context_in_inputs(
           score_mod, inputs, sink_queries, query_context(mask, q_BxTxNxH.shape[1], segments_BxT))
-    return normaliser.blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod,
-                                score_params, block_size=block_size, scale=scale, mask=mask,
-                                segments_BxT=segments_BxT, sink_queries=sink_queries)
+    kernel = normaliser.blockwise_kernel() or functools.partial(blockwise, normaliser=normaliser)
+    return kernel(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
+                  block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,
+                  sink_queries=sink_queries)
   probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
                            score_params=score_params, inputs=inputs, mask=mask,
                            segments_BxT=segments_BxT, sink_queries=sink_queries,

@@ -12,6 +12,7 @@ windows, sinks, packed documents, the query context, grouped-query heads):
                                         tiles of a query block, and tile_grads, the weights and
                                         d logits of a tile in the backward pass, given what the
                                         forward pass kept per query (tile_finish's residual)
+  blockwise_kernel()                    None, or a kernel of its own for the blockwise backend
   order_dependent                       whether the weights depend on the keys' order (then
                                         neither a sliding window's rolling cache, whose slots are
                                         out of order, nor the default blockwise tile order serve)
@@ -52,13 +53,10 @@ class Normaliser:
     del q_index_T, k_index_S
     return visible
 
-  def blockwise(self, q, k, v, inputs, score_mod, score_params, *, block_size, scale, mask,
-                segments_BxT=None, sink_queries=None):
-    """The blockwise backend with this normaliser's per-tile form (core.attend's arguments)."""
-    from research.model.attention import blockwise  # noqa: PLC0415 (blockwise imports this)
-    return blockwise.blockwise(q, k, v, inputs, score_mod, score_params, block_size=block_size,
-                               scale=scale, mask=mask, segments_BxT=segments_BxT,
-                               sink_queries=sink_queries, normaliser=self)
+  def blockwise_kernel(self):
+    """A blockwise kernel of its own (stick-breaking's), a function of the arguments of
+    research.model.attention.blockwise.blockwise; None: that kernel runs the per-tile form."""
+    return None
 
   # The per-tile form: s [B, K, G, Q, S] float32 logits of one tile (MASKED where not seen),
   # v_j [B, K, S, V] its values; the carry and residual are per query of the block.

@@ -76,12 +76,14 @@ class StickBreaking(normalisers.Normaliser):
   def keys_taking_weight(self, visible, q_index_T, k_index_S):
     return visible_keys(visible, q_index_T, k_index_S, self.attend_current)
 
-  def blockwise(self, q, k, v, inputs, score_mod, score_params, *, block_size, scale, mask,
-                segments_BxT=None, sink_queries=None):
-    del sink_queries  # no window: no sink pairs
-    return blockwise_attention(q, k, v, inputs, score_mod, score_params, block_size=block_size,
-                               scale=scale, mask=mask, segments_BxT=segments_BxT,
-                               attend_current=self.attend_current)
+  def blockwise_kernel(self):
+    def kernel(q, k, v, inputs, score_mod, score_params, *, block_size, scale, mask,
+               segments_BxT=None, sink_queries=None):
+      del sink_queries  # no window: no sink pairs
+      return blockwise_attention(q, k, v, inputs, score_mod, score_params,
+                                 block_size=block_size, scale=scale, mask=mask,
+                                 segments_BxT=segments_BxT, attend_current=self.attend_current)
+    return kernel
 
 
 def visible_keys(visible, q_index_T, k_index_S, attend_current):
