@@ -145,6 +145,22 @@ def chunked_gated_delta_rule(q, k, v, log_decay, beta, state, *, chunk_size=64, 
   return chunked.merge_chunks(jnp.moveaxis(out, 3, 2), length), state
 
 
+def check_head_dims(name, settings, key_head_dim, default):
+  """model.<name>.head_dim (0: `default`, giving `key_head_dim`) and expand_v, the value head dim
+  over the key head dim, of a delta-rule mixer: ValueError naming what is valid."""
+  if settings.head_dim < 0:
+    raise ValueError(f"model.{name}.head_dim must be >= 1, or 0 for {default}; got "
+                     f"{settings.head_dim}")
+  if key_head_dim < 1:
+    raise ValueError(f"model.{name}.head_dim=0 gives {default} = {key_head_dim} < 1; set "
+                     f"model.{name}.head_dim >= 1")
+  e = key_head_dim * settings.expand_v
+  if not (settings.expand_v > 0 and math.isclose(e, round(e))):
+    raise ValueError(f"model.{name}.expand_v={settings.expand_v} gives a value head dim of "
+                     f"head_dim * expand_v = {key_head_dim} * {settings.expand_v} = {e:g}; "
+                     f"valid: expand_v > 0 with an integer product (e.g. 1 or 2)")
+
+
 def interleave_steps(x_BxTxNxSx_, num_steps):
   """[B, T, N, S, ...] -> [B, T * S, N, ...]: the S steps of each token in turn."""
   b, t, n, s = x_BxTxNxSx_.shape[:4]
@@ -186,20 +202,8 @@ class GatedDeltaNet(chunked.ChunkedRecurrentMixer):
         ("num_householder",) if "num_householder" in settings else ()):
       if settings[field] < 1:
         raise ValueError(f"model.{name}.{field} must be >= 1, got {settings[field]}")
-    fraction = f"{cls.key_head_fraction:g} of d_model / num_heads"
-    if settings.head_dim < 0:
-      raise ValueError(f"model.{name}.head_dim must be >= 1, or 0 for {fraction}; got "
-                       f"{settings.head_dim}")
-    h = cls.key_head_dim(settings, model_config)
-    if h < 1:
-      raise ValueError(f"model.{name}.head_dim=0 gives {fraction} = {cls.key_head_fraction:g} * "
-                       f"{model_config.d_model} / {model_config.num_heads} < 1; set "
-                       f"model.{name}.head_dim >= 1")
-    e = h * settings.expand_v
-    if not (settings.expand_v > 0 and math.isclose(e, round(e))):
-      raise ValueError(f"model.{name}.expand_v={settings.expand_v} gives a value head "
-                       f"dim of head_dim * expand_v = {h} * {settings.expand_v} = {e:g}; valid: "
-                       f"expand_v > 0 with an integer product (e.g. 1 or 2)")
+    check_head_dims(name, settings, cls.key_head_dim(settings, model_config),
+                    f"{cls.key_head_fraction:g} of d_model / num_heads")
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     del layer_index  # the same computation at every depth

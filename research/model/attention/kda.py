@@ -68,7 +68,6 @@ passed in belongs to the first token's segment. The decode state is the three co
 and S; decoding runs the same chunked form on any number of new tokens (chunked.py).
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -77,10 +76,10 @@ from flax import nnx
 from research.model import nn
 from research.model.attention import base
 from research.model.attention import chunked
+from research.model.attention import gated_deltanet
 from research.model.attention import masks
 from research.model.attention import modules
 from research.model.attention import vector_decay
-from research.model.attention.gated_deltanet import invert_unit_lower, l2_normalize
 
 NORM_EPSILON = 1e-5  # fla's KimiDeltaAttention default (KDAConfig passes its norm_eps, 1e-6)
 A_INIT_RANGE = (1.0, 16.0)
@@ -161,7 +160,7 @@ def chunked_kda(q, k, v, log_decay, beta, state, *, chunk_size=64, sub_chunk_siz
   eye = jnp.eye(chunk, dtype=bool)
   system = jnp.where(eye, 1.0, beta[..., :, None] * kk_scores)  # I + A, unit lower
   drives = jnp.concatenate([beta[..., None] * v, beta[..., None] * k * from_start], axis=-1)
-  solved = jnp.einsum("bzncs,bznsf->bzncf", invert_unit_lower(system), drives)
+  solved = jnp.einsum("bzncs,bznsf->bzncf", gated_deltanet.invert_unit_lower(system), drives)
   free_u, w = solved[..., :e], solved[..., e:]  # U = U' - W S_0
   k_to_end = k * to_end
 
@@ -214,19 +213,8 @@ class KimiDeltaAttention(chunked.ChunkedRecurrentMixer):
     for field in ("conv_width", "chunk_size", "sub_chunk_size"):
       if settings[field] < 1:
         raise ValueError(f"model.kda.{field} must be >= 1, got {settings[field]}")
-    if settings.head_dim < 0:
-      raise ValueError(f"model.kda.head_dim must be >= 1, or 0 for d_model / num_heads; got "
-                       f"{settings.head_dim}")
-    h = cls.key_head_dim(settings, model_config)
-    if h < 1:
-      raise ValueError(f"model.kda.head_dim=0 gives d_model / num_heads = "
-                       f"{model_config.d_model} / {model_config.num_heads} < 1; set "
-                       f"model.kda.head_dim >= 1")
-    e = h * settings.expand_v
-    if not (settings.expand_v > 0 and math.isclose(e, round(e))):
-      raise ValueError(f"model.kda.expand_v={settings.expand_v} gives a value head dim of "
-                       f"head_dim * expand_v = {h} * {settings.expand_v} = {e:g}; valid: "
-                       f"expand_v > 0 with an integer product (e.g. 1 or 2)")
+    gated_deltanet.check_head_dims("kda", settings, cls.key_head_dim(settings, model_config),
+                                   "d_model / num_heads")
     if settings.lower_bound > 0:
       raise ValueError(f"model.kda.lower_bound must be < 0 (the bounded gate) or 0 (fla's None: "
                        f"the softplus gate); got {settings.lower_bound}")
@@ -285,8 +273,8 @@ class KimiDeltaAttention(chunked.ChunkedRecurrentMixer):
       convolved.append(jax.nn.silu(y).astype(jnp.float32))
       windows.append(window)
     q_BxTxNxH, k_BxTxNxH, v_BxTxNxE = convolved
-    q_BxTxNxH = l2_normalize(q_BxTxNxH) * self.head_dim ** -0.5
-    k_BxTxNxH = l2_normalize(k_BxTxNxH)
+    q_BxTxNxH = gated_deltanet.l2_normalize(q_BxTxNxH) * self.head_dim ** -0.5
+    k_BxTxNxH = gated_deltanet.l2_normalize(k_BxTxNxH)
     log_decay_BxTxNxH = kda_gate(self.decay_up(self.decay_down(x_BxTxD)), self.A_log[...],
                                  self.dt_bias[...], self.lower_bound)
     beta_BxTxN = self.beta_scale * jax.nn.sigmoid(self.beta_proj(x_BxTxD).astype(jnp.float32))

@@ -85,6 +85,7 @@ from flax import nnx
 from research.model import nn
 from research.model.attention import base
 from research.model.attention import chunked
+from research.model.attention import mamba2
 from research.model.attention import masks
 from research.model.attention import modules
 
@@ -213,18 +214,10 @@ class LogLinearMamba2(chunked.ChunkedRecurrentMixer):
 
   @classmethod
   def validate(cls, settings, model_config):
-    for field in cls.hyperparameters:
-      if settings[field] < 1:
-        raise ValueError(f"model.log_linear_mamba2.{field} must be >= 1, got {settings[field]}")
+    mamba2.check_settings("log_linear_mamba2", settings, model_config, cls.hyperparameters)
     if settings.num_levels > 31:
       raise ValueError(f"model.log_linear_mamba2.num_levels={settings.num_levels} is more than "
                        f"int32 positions have levels; valid: 1..31 (fla's 15: 16384 tokens)")
-    inner = settings.expand * model_config.d_model
-    if inner % settings.head_dim:
-      raise ValueError(
-          f"model.log_linear_mamba2.head_dim={settings.head_dim} does not divide the inner "
-          f"width expand * d_model = {inner}; valid head_dim: "
-          f"{[p for p in range(1, inner + 1) if inner % p == 0]}")
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     del layer_index  # the same computation at every depth

@@ -118,6 +118,20 @@ def gated_rms_norm(y_TxE, z_TxE, scale_E, eps=modules.NORM_EPSILON):
                                 norm_before_gate=False)
 
 
+def check_settings(name, settings, model_config, fields):
+  """model.<name>'s `fields` >= 1 and its head_dim dividing the inner width expand * d_model
+  (Mamba-2's layer and the layers built on it): ValueError naming what is valid."""
+  for field in fields:
+    if settings[field] < 1:
+      raise ValueError(f"model.{name}.{field} must be >= 1, got {settings[field]}")
+  inner = settings.expand * model_config.d_model
+  if inner % settings.head_dim:
+    raise ValueError(
+        f"model.{name}.head_dim={settings.head_dim} does not divide the inner width "
+        f"expand * d_model = {inner}; valid head_dim: "
+        f"{[p for p in range(1, inner + 1) if inner % p == 0]}")
+
+
 class Mamba2(chunked.ChunkedRecurrentMixer):
   hyperparameters = {"state_size": 64, "head_dim": 64, "expand": 2, "conv_width": 4,
                      "chunk_size": 64}
@@ -125,15 +139,7 @@ class Mamba2(chunked.ChunkedRecurrentMixer):
 
   @classmethod
   def validate(cls, settings, model_config):
-    for field in cls.hyperparameters:
-      if settings[field] < 1:
-        raise ValueError(f"model.mamba2.{field} must be >= 1, got {settings[field]}")
-    inner = settings.expand * model_config.d_model
-    if inner % settings.head_dim:
-      raise ValueError(
-          f"model.mamba2.head_dim={settings.head_dim} does not divide the inner width "
-          f"expand * d_model = {inner}; valid head_dim: "
-          f"{[p for p in range(1, inner + 1) if inner % p == 0]}")
+    check_settings("mamba2", settings, model_config, cls.hyperparameters)
 
   def __init__(self, settings, model_config, position, *, rngs, layer_index=0):
     del layer_index  # the same computation at every depth
