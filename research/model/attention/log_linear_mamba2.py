@@ -264,18 +264,9 @@ class LogLinearMamba2(chunked.ChunkedRecurrentMixer):
     return min(self.num_levels - 1, (max(int(max_length), 1) - 1).bit_length())
 
   def _mix(self, u_BxTxD, cache, positions_BxT, segments_BxT=None):
-    b, t, d = u_BxTxD.shape
-    # Per-token work on [b t, ...], parameters broadcast to the full shape (see Mamba2._mix).
-    u_TxD = u_BxTxD.reshape(b * t, d)
-    streams, windows = {}, {}
-    for name, proj in (("x", self.x_proj), ("B", self.B_proj), ("C", self.C_proj)):
-      y, windows[name] = modules.causal_depthwise_conv(
-          proj(u_TxD).reshape(b, t, -1), cache["conv"][name], self.conv_kernels[name][...],
-          self.conv_biases[name][...], segments_BxT)
-      streams[name] = jax.nn.silu(y).astype(jnp.float32)
-    x_TxHxP = streams["x"].reshape(b * t, self.num_heads, self.head_dim)
-    dt_TxH = self.dt_proj(u_TxD).astype(jnp.float32)
-    dt_TxH = jax.nn.softplus(dt_TxH + jnp.broadcast_to(self.dt_bias[...], dt_TxH.shape))
+    b, t, _ = u_BxTxD.shape
+    u_TxD, streams, windows, x_TxHxP, dt_TxH = mamba2.layer_inputs(self, u_BxTxD, cache["conv"],
+                                                                   segments_BxT)
     log_decay_TxH = dt_TxH * jnp.broadcast_to(-jnp.exp(self.A_log[...]), dt_TxH.shape)
     dl_TxHxM = self.level_proj(u_TxD).astype(jnp.float32)
     lambda_TxHxM = jax.nn.softplus(jnp.broadcast_to(self.L[...], dl_TxHxM.shape) * dl_TxHxM)
@@ -284,13 +275,8 @@ class LogLinearMamba2(chunked.ChunkedRecurrentMixer):
         log_decay_TxH.reshape(b, t, -1), lambda_TxHxM.reshape(b, t, *lambda_TxHxM.shape[1:]),
         cache["levels"], jnp.broadcast_to(positions_BxT, (b, t)), chunk_size=self.chunk_size,
         segments=segments_BxT)
-    skip_TxHxP = jnp.broadcast_to(self.D[...][:, None], x_TxHxP.shape) * x_TxHxP
-    y_TxE = (y.reshape(x_TxHxP.shape) + skip_TxHxP).reshape(b * t, self.d_inner)
-    y_TxE = modules.gated_rms_norm(y_TxE, self.z_proj(u_TxD),
-                                   jnp.broadcast_to(self.norm_scale[...], y_TxE.shape),
-                                   norm_before_gate=False)
-    out_TxD = self.out_proj(y_TxE.astype(self.dtype))
-    return out_TxD.reshape(b, t, d), {"conv": windows, "levels": states}
+    out = mamba2.layer_output(self, y, u_TxD, x_TxHxP, u_BxTxD.shape)
+    return out, {"conv": windows, "levels": states}
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     del positions_BxL  # the levels come from the token indices within each document

@@ -26,7 +26,7 @@ chunk, never [length, length] or [length, P, N]. Retention is the special case o
 decay and per-head B, C (research/model/attention/retention.py). Decoding runs the same form from
 the cached conv windows and SSM state on any number of new tokens (prefill is one pass). On CPU,
 per-token work runs on [batch * length, ...] and parameters are broadcast to the activations'
-full shape (see Mamba2._mix): XLA:CPU is slow to sum over tokens behind a batch axis of size 1.
+full shape (see layer_inputs): XLA:CPU is slow to sum over tokens behind a batch axis of size 1.
 Packed documents: the state restarts at a segment start (the intra-chunk mask keeps to the
 segment, the carried state reaches only its own segment's tokens) and the convolution sees no
 input of an earlier segment, as Mamba does here.
@@ -113,7 +113,7 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
 
 def gated_rms_norm(y_TxE, z_TxE, scale_E, eps=modules.NORM_EPSILON):
   """RMSNorm(y * silu(z)) * scale over the inner width, in float32 (modules.gated_rms_norm,
-  gating before the norm); the scale broadcast to the full shape (see Mamba2._mix)."""
+  gating before the norm); the scale broadcast to the full shape (see layer_inputs)."""
   return modules.gated_rms_norm(y_TxE, z_TxE, jnp.broadcast_to(scale_E, y_TxE.shape), eps=eps,
                                 norm_before_gate=False)
 
@@ -130,6 +130,36 @@ def check_settings(name, settings, model_config, fields):
         f"model.{name}.head_dim={settings.head_dim} does not divide the inner width "
         f"expand * d_model = {inner}; valid head_dim: "
         f"{[p for p in range(1, inner + 1) if inner % p == 0]}")
+
+
+def layer_inputs(layer, u_BxTxD, conv_cache, segments_BxT=None):
+  """(u [b t, D], the convolved and SiLU-ed streams {x, B, C} [B, T, F] float32, the new
+  convolution windows, x [b t, H, P], dt [b t, H]) of T tokens: the input side of Mamba-2's
+  layer `layer`, which the layers built on it share (log_linear_mamba2). Per-token work runs on [b t, ...]
+  (all rows' tokens on one axis, as nn.dense does for the projections) and parameters are
+  broadcast to the full shape, for XLA:CPU: it is slow to sum over an axis behind a batch axis
+  of size 1, which implicit broadcasting keeps."""
+  b, t, d = u_BxTxD.shape
+  u_TxD = u_BxTxD.reshape(b * t, d)
+  streams, windows = {}, {}
+  for name, proj in (("x", layer.x_proj), ("B", layer.B_proj), ("C", layer.C_proj)):
+    y, windows[name] = modules.causal_depthwise_conv(
+        proj(u_TxD).reshape(b, t, -1), conv_cache[name], layer.conv_kernels[name][...],
+        layer.conv_biases[name][...], segments_BxT)
+    streams[name] = jax.nn.silu(y).astype(jnp.float32)
+  x_TxHxP = streams["x"].reshape(b * t, layer.num_heads, layer.head_dim)
+  dt_TxH = layer.dt_proj(u_TxD).astype(jnp.float32)
+  dt_TxH = jax.nn.softplus(dt_TxH + jnp.broadcast_to(layer.dt_bias[...], dt_TxH.shape))
+  return u_TxD, streams, windows, x_TxHxP, dt_TxH
+
+
+def layer_output(layer, y, u_TxD, x_TxHxP, shape_BxTxD):
+  """out [B, T, D] of the SSM's y (x_TxHxP's shape): the D skip, the gated RMSNorm (gate, then
+  norm, as Mamba-2's) and the output projection."""
+  skip_TxHxP = jnp.broadcast_to(layer.D[...][:, None], x_TxHxP.shape) * x_TxHxP
+  y_TxE = (y.reshape(x_TxHxP.shape) + skip_TxHxP).reshape(x_TxHxP.shape[0], layer.d_inner)
+  y_TxE = gated_rms_norm(y_TxE, layer.z_proj(u_TxD), layer.norm_scale[...])
+  return layer.out_proj(y_TxE.astype(layer.dtype)).reshape(shape_BxTxD)
 
 
 class Mamba2(chunked.ChunkedRecurrentMixer):
@@ -176,28 +206,13 @@ class Mamba2(chunked.ChunkedRecurrentMixer):
     self.out_proj = nn.dense("...E,ED->...D", (e, d), ("mlp", "embed"), rngs=rngs, dtype=dtype)
 
   def _mix(self, u_BxTxD, cache, segments_BxT=None):
-    b, t, d = u_BxTxD.shape
-    # Per-token work runs on [b t, ...] (all rows' tokens on one axis, as nn.dense does for the
-    # projections) and parameters are broadcast to the full shape, for XLA:CPU: it is slow to
-    # sum over an axis behind a batch axis of size 1, which implicit broadcasting keeps.
-    u_TxD = u_BxTxD.reshape(b * t, d)
-    streams, windows = {}, {}
-    for name, proj in (("x", self.x_proj), ("B", self.B_proj), ("C", self.C_proj)):
-      y, windows[name] = modules.causal_depthwise_conv(
-          proj(u_TxD).reshape(b, t, -1), cache["conv"][name], self.conv_kernels[name][...],
-          self.conv_biases[name][...], segments_BxT)
-      streams[name] = jax.nn.silu(y).astype(jnp.float32)
-    x_TxHxP = streams["x"].reshape(b * t, self.num_heads, self.head_dim)
-    dt_TxH = self.dt_proj(u_TxD).astype(jnp.float32)
-    dt_TxH = jax.nn.softplus(dt_TxH + jnp.broadcast_to(self.dt_bias[...], dt_TxH.shape))
+    b, t, _ = u_BxTxD.shape
+    u_TxD, streams, windows, x_TxHxP, dt_TxH = layer_inputs(self, u_BxTxD, cache["conv"],
+                                                            segments_BxT)
     y, h = chunked_ssd(x_TxHxP.reshape(b, t, *x_TxHxP.shape[1:]), dt_TxH.reshape(b, t, -1),
                        -jnp.exp(self.A_log[...]), streams["B"], streams["C"], cache["ssm"],
                        chunk_size=self.chunk_size, segments=segments_BxT)
-    skip_TxHxP = jnp.broadcast_to(self.D[...][:, None], x_TxHxP.shape) * x_TxHxP
-    y_TxE = (y.reshape(x_TxHxP.shape) + skip_TxHxP).reshape(b * t, self.d_inner)
-    y_TxE = gated_rms_norm(y_TxE, self.z_proj(u_TxD), self.norm_scale[...])
-    out_TxD = self.out_proj(y_TxE.astype(self.dtype))
-    return out_TxD.reshape(b, t, d), {"conv": windows, "ssm": h}
+    return layer_output(self, y, u_TxD, x_TxHxP, u_BxTxD.shape), {"conv": windows, "ssm": h}
 
   def init_cache(self, batch_size, max_length):
     del max_length  # the state has a fixed size
