@@ -13,8 +13,9 @@ SSMs need more width as the number of pairs grows.
   python -m experiments.run --config=configs/mqar.py:quick --workdir=runs/mqar
       each mixer's code once x widths 32, 64 x (length, pairs) in (64, 4), (128, 8): 4 runs of 400
       steps of 128 examples (learning rate 3e-3) per mixer, one head, 32 symbols (16 keys, 16
-      values). 84 runs (21 mixers): about 160 minutes with --parallel=2 on 2 CPU cores (1.9
-      minutes a run, 2026-12-01 and -02). Attention solves (64, 4) at both widths and (128, 8) at
+      values). 104 runs (26 mixers and schemes): the 84 of the 21 older ones took about 160
+      minutes with --parallel=2 on 2 CPU cores (1.9 minutes a run, 2026-12-01 and -02), the 20
+      added on 2026-12-05 62 minutes (log_linear_mamba2 and mamba3 the slowest). Attention solves (64, 4) at both widths and (128, 8) at
       width 64; the delta-rule mixers, RWKV-6 and RWKV-7 solve both; the other fixed-state
       mixers need width and lose accuracy at (128, 8) (results in docs/results.md).
       The small vocabulary is what lets recall form within a CPU budget: with 128 symbols MHA

@@ -155,8 +155,12 @@ def chunked_log_linear(q, k, v, log_decay, level_scales, states, positions, *, c
   level_BxZxCxC = level(pos_BxZxC[..., :, None], pos_BxZxC[..., None, :])
   weight_BxZxHxCxC = jnp.einsum("bzihm,bzijm->bzhij", lambda_BxZxCxHxM,
                                 _one_hot(level_BxZxCxC, m))
-  exponent = cum_BxZxHxC[..., :, None] - cum_BxZxHxC[..., None, :]
-  decay_BxZxHxCxC = jnp.exp(jnp.where(same_BxZxCxC[:, :, None], exponent, -jnp.inf))
+  # exp only of the pairs kept (the others at 0 before and after it): exp(where(kept, x, -inf))
+  # left the gradient of log_decay non-finite once jitted (XLA:CPU 0.10, a chunk of 64 tokens at
+  # batch 8: the masked pairs' exp(x) of positive x entered the backward pass).
+  kept = same_BxZxCxC[:, :, None]
+  exponent = jnp.where(kept, cum_BxZxHxC[..., :, None] - cum_BxZxHxC[..., None, :], 0.0)
+  decay_BxZxHxCxC = jnp.where(kept, jnp.exp(exponent), 0.0)
   qk_BxZxCxC = jnp.einsum("bzin,bzjn->bzij", q_BxZxCxN, k_BxZxCxN)
   scores = qk_BxZxCxC[:, :, None] * decay_BxZxHxCxC * weight_BxZxHxCxC
   y_BxZxHxCxP = jnp.einsum("bzhij,bzhjp->bzhip", scores, v_BxZxHxCxP)
