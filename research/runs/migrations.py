@@ -43,7 +43,7 @@ class Migration:
 
 def _saved_or_default(flat: Mapping[str, Any], name: str):
   """A saved config's value of `name`, or today's default where it has none."""
-  return flat[name] if name in flat else defaults.flatten(defaults.get_config())[name]
+  return flat[name] if name in flat else defaults.flat_defaults()[name]
 
 
 def _original_positions_with_sinks(flat: Mapping[str, Any]):

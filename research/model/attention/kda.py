@@ -77,7 +77,6 @@ from research.model import nn
 from research.model.attention import base
 from research.model.attention import chunked
 from research.model.attention import gated_deltanet
-from research.model.attention import masks
 from research.model.attention import modules
 from research.model.attention import vector_decay
 
@@ -142,12 +141,8 @@ def chunked_kda(q, k, v, log_decay, beta, state, *, chunk_size=64, sub_chunk_siz
 
   q, k, v, log_decay, beta = map(to_chunks, (q, k, v, log_decay, beta))
   padded = q.shape[1] * chunk
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
-  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
-  same = same[:, :, None]
-  sees_state, adds = (m[:, :, None, :, None] for m in (sees_state, adds))
-  keeps_state = keeps_state[:, :, None, None]
+  same, sees_state, keeps_state, adds = vector_decay.head_chunk_segments(segments, b, length,
+                                                                         padded, chunk)
 
   # Queries and keys apart (stacked, XLA:CPU 0.10 crashed on the gradient of B = 1, H >= 32).
   qk_scores, kk_scores = (jnp.where(same, decayed_pair_scores(a, k, log_decay, sub), 0.0)

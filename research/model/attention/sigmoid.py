@@ -52,16 +52,12 @@ class BiasedSigmoid(normalisers.Pointwise):
     return jax.nn.sigmoid(z + self.bias)
 
 
-class SigmoidAttention(softmax.SoftmaxAttention):
+class SigmoidAttention(softmax.MHA):
   hyperparameters = {**softmax.SoftmaxAttention.hyperparameters,
                      "bias_length": 1024,  # n of b = -log(n): the training length; 0: b = 0
                      "qk_norm": False}  # LayerNorm of q and k per head before the positions
-  position_hooks = frozenset({QK, BIAS, LENGTH})
+  position_hooks = frozenset({QK, BIAS, LENGTH})  # not MHA's context hook: CoPE needs softmax
   backends = ("auto", "xla", "blockwise")
-
-  @classmethod
-  def kv_heads(cls, model_config):
-    return model_config.num_heads
 
   @classmethod
   def validate(cls, settings, model_config):
