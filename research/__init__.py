@@ -5,7 +5,11 @@ is imported on first use: it brings in the evaluation and analysis code (orbax, 
 about 1.8 s), which `import research` and so every `import research.<module>` would otherwise pay
 for."""
 
-from research.model.transformer import build_model, count_params
+from research import xla_workarounds
+
+xla_workarounds.apply()  # before anything below can start a JAX backend
+
+from research.model.transformer import build_model, count_params  # noqa: E402
 
 
 def __getattr__(name: str):

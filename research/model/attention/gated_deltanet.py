@@ -106,9 +106,7 @@ def chunked_gated_delta_rule(q, k, v, log_decay, beta, state, *, chunk_size=64, 
   q, k, v, log_decay, beta = (
       jnp.moveaxis(chunked.split_chunks(x.astype(jnp.float32), chunk), 2, 3)
       for x in (q, k, v, log_decay, beta))
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
-  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
+  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk, b)
   same = same[:, :, None]
   sees_state, adds = (m[:, :, None] for m in (sees_state, adds))
   keeps_state = keeps_state[:, :, None]

@@ -141,8 +141,8 @@ def chunked_kda(q, k, v, log_decay, beta, state, *, chunk_size=64, sub_chunk_siz
 
   q, k, v, log_decay, beta = map(to_chunks, (q, k, v, log_decay, beta))
   padded = q.shape[1] * chunk
-  same, sees_state, keeps_state, adds = vector_decay.head_chunk_segments(segments, b, length,
-                                                                         padded, chunk)
+  same, sees_state, keeps_state, adds = vector_decay.head_chunk_segments(segments, b, padded,
+                                                                         chunk)
 
   # Queries and keys apart (stacked, XLA:CPU 0.10 crashed on the gradient of B = 1, H >= 32).
   qk_scores, kk_scores = (jnp.where(same, decayed_pair_scores(a, k, log_decay, sub), 0.0)

@@ -63,8 +63,7 @@ def chunked_linear_attention(q, k, v, state, *, feature_map="elu", chunk_size=64
   def to_chunks(x):  # [B, L, N, H] -> [B, N, Z, C, H] (heads and chunks before tokens)
     return chunked.split_chunks(x, chunk).transpose(0, 3, 1, 2, 4)  # padding adds nothing
 
-  same, sees_state, keeps, adds = masks.all_chunk_segments(
-      jnp.zeros((b, length), jnp.int32) if segments is None else segments, padded, chunk)
+  same, sees_state, keeps, adds = masks.all_chunk_segments(segments, padded, chunk, b)
   same = same[:, None]  # [B, 1, Z, C, C]
   sees_state, adds = sees_state[:, None, :, :, None], adds[:, None, :, :, None]  # [B, 1, Z, C, 1]
   q_c, k_c, v_c = to_chunks(q), to_chunks(k), to_chunks(v)

@@ -135,10 +135,8 @@ def chunked_log_linear(q, k, v, log_decay, level_scales, states, positions, *, c
   chunk = min(chunk_size, length)
   num_chunks = chunked.num_chunks(length, chunk)
   padded = num_chunks * chunk
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
   same_BxZxCxC, sees_BxZxC, keeps_BxZ, adds_BxZxC = masks.all_chunk_segments(
-      segments, padded, chunk)
+      segments, padded, chunk, b)
 
   split = lambda t: chunked.split_chunks(t.astype(jnp.float32), chunk)  # zero padding: no-ops
   q_BxZxCxN, k_BxZxCxN = split(q), split(k)
@@ -155,9 +153,9 @@ def chunked_log_linear(q, k, v, log_decay, level_scales, states, positions, *, c
   level_BxZxCxC = level(pos_BxZxC[..., :, None], pos_BxZxC[..., None, :])
   weight_BxZxHxCxC = jnp.einsum("bzihm,bzijm->bzhij", lambda_BxZxCxHxM,
                                 _one_hot(level_BxZxCxC, m))
-  # exp only of the pairs kept (the others at 0 before and after it): exp(where(kept, x, -inf))
-  # left the gradient of log_decay non-finite once jitted (XLA:CPU 0.10, a chunk of 64 tokens at
-  # batch 8: the masked pairs' exp(x) of positive x entered the backward pass).
+  # exp only of the pairs kept (the others at 0 before and after it): a masked pair's
+  # cum_i - cum_j is >= 0 and overflows exp under strong decays, and where(kept, exp(x), 0)
+  # would pass 0 * inf to the backward pass.
   kept = same_BxZxCxC[:, :, None]
   exponent = jnp.where(kept, cum_BxZxHxC[..., :, None] - cum_BxZxHxC[..., None, :], 0.0)
   decay_BxZxHxCxC = jnp.where(kept, jnp.exp(exponent), 0.0)

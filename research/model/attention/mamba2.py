@@ -79,11 +79,9 @@ def chunked_ssd(x, dt, A, B, C, h0, *, chunk_size=64, segments=None):
     t = chunked.split_chunks(t, chunk)
     return t.reshape(b * num_chunks, *t.shape[2:])
 
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
   same, sees_state, keeps_state, adds = (
       m.reshape(b * num_chunks, *m.shape[2:])
-      for m in masks.all_chunk_segments(segments, padded, chunk))
+      for m in masks.all_chunk_segments(segments, padded, chunk, b))
   # Heads before tokens: every matmul below is batched over (batch and chunk, head). dt_t x_t
   # on [b L, H, P] and A broadcast to dt's shape: their gradients then sum without a batch axis
   # of size 1 in front, which XLA:CPU sums slowly.

@@ -141,9 +141,7 @@ def chunked_mamba3(q, k, v, log_decay, dt, trap, angles, state, *, chunk_size=64
   p = v.shape[-1]
   chunk = min(chunk_size, length)
   padded = chunked.num_chunks(length, chunk) * chunk
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
-  segment_masks = masks.all_chunk_segments(segments, padded, chunk)
+  segment_masks = masks.all_chunk_segments(segments, padded, chunk, b)
   same, sees_state, keeps_state, adds = segment_masks
 
   theta = _cumulative_angles(jnp.pi * jnp.tanh(angles) * dt[..., None], state["angle"], chunk,

@@ -142,9 +142,7 @@ def chunked_rwkv7(r, log_decay, k, v, kk, a, state, *, chunk_size=32, segments=N
       jnp.moveaxis(chunked.split_chunks(x.astype(jnp.float32), chunk), 2, 3)
       for x in (r, log_decay, k, v, kk, a))
   alpha, beta = -kk, kk * a
-  if segments is None:
-    segments = jnp.zeros((b, length), jnp.int32)
-  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk)
+  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments, padded, chunk, b)
   inclusive = same[:, :, None].astype(jnp.float32)  # s <= t in one segment [B, Z, 1, C, C]
   strict = inclusive * (1.0 - jnp.eye(chunk))  # s < t
   sees_state, adds = (m[:, :, None, :, None] for m in (sees_state, adds))

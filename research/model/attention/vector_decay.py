@@ -36,14 +36,13 @@ from research.model.attention import chunked
 from research.model.attention import masks
 
 
-def head_chunk_segments(segments_BxL, batch, length, padded, chunk):
+def head_chunk_segments(segments_BxL, batch, padded, chunk):
   """masks.all_chunk_segments of `segments_BxL` (None: one document per row) with a heads axis
   after the chunk axis, for the [B, Z, N, C, F] layout of the per-channel decay forms (this one
   and kda's): same [B, Z, 1, C, C], sees_state and adds [B, Z, 1, C, 1], keeps_state
   [B, Z, 1, 1]."""
-  if segments_BxL is None:
-    segments_BxL = jnp.zeros((batch, length), jnp.int32)
-  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments_BxL, padded, chunk)
+  same, sees_state, keeps_state, adds = masks.all_chunk_segments(segments_BxL, padded, chunk,
+                                                                 batch)
   return (same[:, :, None], sees_state[:, :, None, :, None], keeps_state[:, :, None, None],
           adds[:, :, None, :, None])
 
@@ -77,7 +76,7 @@ def chunked_vector_decay(q, k, v, log_decay, state, *, bonus=None, chunk_size=32
   # leaves the state as it is.
   q, k, v, log_decay = (jnp.moveaxis(chunked.split_chunks(x.astype(jnp.float32), chunk), 2, 3)
                         for x in (q, k, v, log_decay))
-  same, sees_state, keeps_state, adds = head_chunk_segments(segments, b, length, padded, chunk)
+  same, sees_state, keeps_state, adds = head_chunk_segments(segments, b, padded, chunk)
 
   inclusive = jnp.cumsum(log_decay, axis=-2)  # G [B, Z, N, C, H]
   exclusive = jnp.pad(inclusive[..., :-1, :], [(0, 0)] * 3 + [(1, 0), (0, 0)])  # G_{t-1}
