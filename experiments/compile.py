@@ -5,7 +5,8 @@ this CPU host, and say whether each fits the devices' memory: before a pod is pa
       [--config.train.batch_size=64 --config.model.attention=mamba2 ...] [--steps=train]
   python -m experiments.compile --config=configs/model_125m.py:mfu --topology=h100-8
   python -m experiments.compile --config=configs/model_125m.py:mfu --topology=v5e-8 \
-      --config.train.batch_size=64 --every_mixer --markdown=docs/accelerators/mixers_125m.md
+      --config.train.batch_size=64 --every_mixer --markdown=docs/accelerators/mixers_125m.md \
+      [--mixers=kda,mamba3]
 
 A TPU slice needs libtpu (.venv/bin/pip install -r requirements-tpu.txt), GPUs JAX's CUDA plugin
 and cuDNN (requirements-gpu.txt); neither needs the device: libtpu and the plugin describe it and
@@ -17,7 +18,9 @@ the peak against the device's HBM with a verdict, XLA's FLOPs beside the model's
 GPU compiler gives none), and the compile time; the last line is the verdict of all of them.
 --every_mixer compiles the training step of every registered mixer (model.attention; with the
 config's position scheme, or "none" where the mixer takes no rotary scheme), and where one does
-not fit, again with model.remat=dots_no_batch, then full; the table goes to --markdown.
+not fit, again with model.remat=dots_no_batch, then full; the table goes to --markdown. With
+--mixers only those are compiled, and their rows replace theirs in an existing --markdown (a
+variant just added gets its row without recompiling the others).
 TPU slices: v4-N and v5p-N count TensorCores, v5e-N and v6e-N chips
 (research/training/tpu_slices.py); GPUs: research/training/gpu_targets.py.
 """
@@ -56,6 +59,8 @@ _STEPS = flags.DEFINE_list("steps", ["train", "eval", "decode"], "Which steps to
 _EVERY_MIXER = flags.DEFINE_bool("every_mixer", False, "Compile the training step of every "
                                  "registered mixer (model.attention) and write --markdown.")
 _MARKDOWN = flags.DEFINE_string("markdown", None, "With --every_mixer: the table's file.")
+_MIXERS = flags.DEFINE_list("mixers", None, "With --every_mixer: only these mixers; their rows "
+                            "replace theirs in an existing --markdown, the others' stay.")
 _JSON = flags.DEFINE_string("json", None, "Also write every step's numbers, one JSON per line.")
 flags.mark_flags_as_required(["config", "topology"])
 
@@ -110,13 +115,13 @@ def _mixer_config(base_config, overrides, name):
   return _config(config, dict(overrides, **changed)), config.model.position
 
 
-def _mixer_table(base_config, overrides, devices, hbm, log) -> list[str]:
-  """One row per registered mixer: the training step's memory at the config's model.remat, and
+def _mixer_table(base_config, overrides, devices, hbm, log, names) -> list[str]:
+  """One row per mixer of `names`: the training step's memory at the config's model.remat, and
   where that does not fit, the first of REMAT_FALLBACKS that does; or why it was not compiled."""
   lines = [f"| mixer | position | parameters | remat | arguments GiB | temporaries GiB | peak GiB "
            f"of {hbm / 2**30:.0f} | verdict | XLA / model FLOPs | compile s |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-  for name in attention.REGISTRY:
+  for name in names:
     try:
       config, position = _mixer_config(base_config, overrides, name)
       mesh = sharding.make_mesh(checks.validate_config(config, len(devices)), devices)
@@ -141,6 +146,28 @@ def _mixer_table(base_config, overrides, devices, hbm, log) -> list[str]:
       lines.append(f"| {name} | | | | | | | not compiled: {reason} | | |")
       log(f"{name}: not compiled: {reason}")
   return lines
+
+
+def _read_table(path):
+  """The lines of a --markdown file of --every_mixer (a ValueError if it holds no such table)."""
+  with open(path) as f:
+    old = f.read().splitlines()
+  if not any(line.startswith("| mixer |") for line in old):
+    raise ValueError(f"--markdown={path} holds no table of --every_mixer to update; give a new "
+                     "file or one it wrote")
+  return old
+
+
+def _merged_table(path, lines, names, made):
+  """The table of `path` with the rows of `names` replaced by those of `lines` (new rows last),
+  and `made` added to its first lines; `lines` as they are if there is no such file."""
+  if not os.path.exists(path):
+    return [made, ""] + lines
+  old = _read_table(path)
+  table = next(i for i, line in enumerate(old) if line.startswith("| mixer |"))
+  notes = [line for line in old[:table] if line]
+  kept = [line for line in old[table + 2:] if line.split("|")[1].strip() not in names]
+  return notes + [made, ""] + lines[:2] + kept + lines[2:]
 
 
 def config_params(config) -> int:
@@ -172,6 +199,11 @@ def main(argv):
     raise ValueError(f"--steps has {', '.join(unknown)}; valid: {', '.join(STEPS)}")
   if _EVERY_MIXER.value and not _MARKDOWN.value:
     raise ValueError("--every_mixer writes its table to --markdown=FILE; give one")
+  unknown = [name for name in _MIXERS.value or () if name not in attention.REGISTRY]
+  if unknown:
+    raise ValueError(f"--mixers has {', '.join(unknown)}; valid: {', '.join(attention.REGISTRY)}")
+  if _MIXERS.value and _MARKDOWN.value and os.path.exists(_MARKDOWN.value):
+    _read_table(_MARKDOWN.value)  # before anything compiles
   description, devices, hbm, platform = _target(_TOPOLOGY.value)
   # The config's backends are chosen and checked for the target, not for this host.
   with core.compiling_for(platform):
@@ -186,10 +218,17 @@ def _compile(description, devices, hbm):
         f"{hbm / 2**30:.0f} GiB HBM each; mesh (data, fsdp, tensor) = {shape}; "
         f"{config_params(config) / 1e6:.1f}M parameters, {config.model.compute_dtype}", flush=True)
   if _EVERY_MIXER.value:
-    lines = _mixer_table(config, overrides, devices, hbm, log=lambda line: print(line, flush=True))
+    names = _MIXERS.value or list(attention.REGISTRY)
+    lines = _mixer_table(config, overrides, devices, hbm, lambda line: print(line, flush=True),
+                         names)
     command = "python -m experiments.compile " + " ".join(sys.argv[1:])
+    if _MIXERS.value:
+      lines = _merged_table(_MARKDOWN.value, lines, names,
+                            f"Rows of {', '.join(names)} made by `{command}`.")
+    else:
+      lines = [f"Made by `{command}`.", ""] + lines
     with open(_MARKDOWN.value, "w") as f:
-      f.write(f"Made by `{command}`.\n\n" + "\n".join(lines) + "\n")
+      f.write("\n".join(lines) + "\n")
     print(f"table in {_MARKDOWN.value}")
     return
   mesh = sharding.make_mesh(shape, devices)

@@ -85,19 +85,37 @@ def test_the_tiny_step_compiles_for_a_v5e_slice_with_splash_attention():
   assert train.alias_bytes > 0 and 0.3 < train.xla_flops / train.model_flops < 3
 
 
-def test_the_command_compiles_and_ends_with_the_verdict_and_refuses_bad_input_in_one_line():
+def test_the_command_compiles_and_ends_with_the_verdict_and_refuses_bad_input_in_one_line(
+    tmp_path):
   pytest.importorskip("libtpu", reason="requirements-tpu.txt (.ci/run installs it)")
-  good, unknown, indivisible, bad_step = forked_commands.run([
+  table = tmp_path / "mixers.md"
+  table.write_text("Made by `an earlier command`.\n\n| mixer | position | parameters | remat | "
+                   "arguments GiB | temporaries GiB | peak GiB of 16 | verdict | XLA / model "
+                   "FLOPs | compile s |\n|---|---|---|---|---|---|---|---|---|---|\n"
+                   "| mha | rope | an old row |\n| linear | rope | a stale row |\n")
+  every = [f"--config={TINY}", "--topology=v5e-4", "--every_mixer", f"--markdown={table}"]
+  good, unknown, indivisible, bad_step, one_mixer, bad_mixer = forked_commands.run([
       ("compile", [f"--config={TINY}", "--topology=v5e-4", "--steps=train"]),
       ("compile", [f"--config={TINY}", "--topology=v5e-3"]),
       ("compile", [f"--config={TINY}", "--topology=v5e-8", "--config.mesh.shape=(3,1,-1)"]),
-      ("compile", [f"--config={TINY}", "--topology=v5e-4", "--steps=train,backward"])])
+      ("compile", [f"--config={TINY}", "--topology=v5e-4", "--steps=train,backward"]),
+      ("compile", every + ["--mixers=linear"]),
+      ("compile", every + ["--mixers=linear,nosuch"])])
   assert good.returncode == 0, good.stderr[-2000:]
   lines = good.stdout.strip().splitlines()
   assert lines[0].startswith("v5e-4 (v5e:2x2): 4 x TPU v5 lite, 16 GiB HBM each; mesh")
   assert lines[1].startswith("train") and "peak" in lines[1] and lines[-1] == "fits", lines
   for result, phrase in ((unknown, "unknown TPU slice 'v5e-3'; valid:"),
                          (indivisible, "mesh.shape=(3, 1, -1): 8 devices cannot be split"),
-                         (bad_step, "--steps has backward; valid: train, eval, decode")):
+                         (bad_step, "--steps has backward; valid: train, eval, decode"),
+                         (bad_mixer, "--mixers has nosuch; valid: mha, ")):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().startswith("error: ") and phrase in result.stderr, result.stderr
+  # --mixers: the named mixer's row replaced (compiled), the others' kept, both commands named.
+  assert one_mixer.returncode == 0, one_mixer.stderr[-2000:]
+  lines = table.read_text().splitlines()
+  assert lines[0] == "Made by `an earlier command`."
+  assert lines[1].startswith("Rows of linear made by `python -m experiments.compile ")
+  rows = [line for line in lines if line.startswith("| ") and not line.startswith("| mixer")]
+  assert rows[0] == "| mha | rope | an old row |" and len(rows) == 2
+  assert rows[1].startswith("| linear | rope | ") and "| fits |" in rows[1], rows
