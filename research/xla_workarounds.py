@@ -4,8 +4,8 @@
 the first backend starts, so a process that ran JAX computations before importing research gets
 a warning instead.
 
-YNNPACK reductions, jaxlib 0.10.2 and 0.11.0 on x86-64 (jax-ml/jax#39257, #40412, fixed in
-neither): XLA:CPU hands a reduction, fused with the dots and elementwise ops that produce its
+YNNPACK reductions, jaxlib 0.10.2 and 0.11.0 on x86-64 (jax-ml/jax#39257, #40412; a regression
+from 0.10.1): XLA:CPU hands a reduction, fused with the dots and elementwise ops that produce its
 operand, to YNNPACK (an `__ynn_fusion` in the compiled HLO), and such a fusion whose operands
 include a broadcast reads it as if it were a full array: NaN, garbage or SIGSEGV. It met this
 lab as log_linear_mamba2's non-finite gradients (the transpose of its chunk scan: a dot of the

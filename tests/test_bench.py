@@ -157,6 +157,11 @@ def test_state_suite_measures_window_cache_and_prefill(tmp_path):
   rolling = f"window={state.QUICK.cache_window}+sinks={state.QUICK.cache_sinks}"
   short, long = state.QUICK.contexts
   assert cache["mha", rolling, short] == cache["mha", rolling, long] < cache["mha", "full", long]
+  variants = {variant for variant, _, _ in cache}
+  assert "sigmoid" in variants  # a mixer with settings of its own gets the window there
+  for variant in variants:
+    assert (cache[variant, rolling, short] == cache[variant, rolling, long]
+            < cache[variant, "full", long]), variant
   assert cache["mha", "full", long] == decode.analytic_kv_bytes(
       decode.model_config("mha", "float32"), long)
   assert "mha window + sinks cache bytes at contexts 1024, 16384" in markdown

@@ -103,7 +103,8 @@ def cache_rows(settings, dtype):
                                  (rolling, settings.cache_window, settings.cache_sinks)):
       series = f"{variant} {label}"
       try:
-        config.softmax.update(dict(window=window, sinks=sinks))
+        config[attention.REGISTRY.settings_key(config.attention)].update(
+            dict(window=window, sinks=sinks))  # the mixer's own settings (sigmoid's, ...)
         model = nnx.eval_shape(lambda config=config: model_lib.build_model(config,
                                                                            rngs=nnx.Rngs(0)))
         rows += [{"part": "cache", "series": series, "variant": variant, "cache": label,

@@ -238,9 +238,9 @@ def chunk_segments(segments_BxC, carried_segment_B):
 def all_chunk_segments(segments_BxL, padded_length, chunk, batch_size=None):
   """chunk_segments of every chunk at once, for forms that process all chunks in parallel and
   scan only the state: segments [B, L] (None: one document in each of batch_size rows) padded to
-  `padded_length` by repeating the last one, so padding joins the last segment. Returns (same [B, Z, C, C],
-  sees_state [B, Z, C], keeps_state [B, Z], adds_to_state [B, Z, C]) for Z chunks of C tokens;
-  the state entering chunk z was summed over the segment of the token before it."""
+  `padded_length` by repeating the last one, so padding joins the last segment. Returns (same
+  [B, Z, C, C], sees_state [B, Z, C], keeps_state [B, Z], adds_to_state [B, Z, C]) for Z chunks
+  of C tokens; the state entering chunk z was summed over the segment of the token before it."""
   if segments_BxL is None:
     segments_BxL = jnp.zeros((batch_size, padded_length), jnp.int32)
   b, length = segments_BxL.shape
