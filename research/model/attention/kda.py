@@ -144,7 +144,8 @@ def chunked_kda(q, k, v, log_decay, beta, state, *, chunk_size=64, sub_chunk_siz
   same, sees_state, keeps_state, adds = vector_decay.head_chunk_segments(segments, b, padded,
                                                                          chunk)
 
-  # Queries and keys apart (stacked, XLA:CPU 0.10 crashed on the gradient of B = 1, H >= 32).
+  # Queries and keys apart: stacked, the gradient at B = 1, H >= 32 met the YNNPACK bug of
+  # research/xla_workarounds.py (a segmentation fault without its flag; fine with it).
   qk_scores, kk_scores = (jnp.where(same, decayed_pair_scores(a, k, log_decay, sub), 0.0)
                           for a in (q, k))  # [B, Z, N, C, C]
   inclusive = jnp.cumsum(log_decay, axis=-2)  # G [B, Z, N, C, H]
