@@ -106,7 +106,7 @@ def test_auto_picks_splash_on_a_tpu_where_it_can_run_the_call():
 @pytest.mark.parametrize("settings,phrase", [
     (dict(position="alibi"), "'splash' takes no score modification"),
     (dict(softmax=dict(window=8, sinks=2, sink_positions="cache")),
-     "not the sink queries of StreamingLLM"),
+     "the sink queries of StreamingLLM"),
     (dict(attention="fox", position="none"), "unknown model.attention_backend 'splash'"),
 ])
 def test_what_the_kernel_cannot_express_is_refused_when_the_model_is_validated(settings, phrase):

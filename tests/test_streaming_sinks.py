@@ -261,7 +261,7 @@ def test_blockwise_equals_xla_and_the_naive_reference_forward_and_backward(packe
     return jax.jit(lambda: vjp(lambda q, qs, k, v, p: core.attend(
         q, k, v, score_mod=core.ScoreMod(bias=bias_fn), score_params=p, inputs=positions,
         mask=mask, segments_BxT=segments if packed else None, backend=backend, block_size=8,
-        sink_queries=core.SinkQueries(qs if own_queries else None, cache_positions))))()
+        other_queries=core.OtherQueries(qs if own_queries else None, cache_positions))))()
 
   naive = jax.jit(lambda: vjp(lambda q, qs, k, v, p: _naive_sink_attention(
       q, qs if own_queries else q, k, v, bias_fn, p, positions, cache_positions, segments,
@@ -272,6 +272,34 @@ def test_blockwise_equals_xla_and_the_naive_reference_forward_and_backward(packe
       np.testing.assert_allclose(g, w, atol=5e-5, rtol=5e-5)
   # The sink queries got gradients of their own, or none.
   assert (float(jnp.abs(naive[1][1]).max()) > 1e-3) == own_queries
+
+
+@pytest.mark.parametrize("window,sinks,block,packed", [(5, 2, 4, False), (5, 2, 4, True),
+                                                       (7, 2, 4, False), (9, 1, 4, True),
+                                                       (6, 0, 4, False)])
+def test_the_mask_spec_plans_the_requeried_pairs_the_core_reads(window, sinks, block, packed):
+  """The core knows the sink pairs only through the mask spec: its requeried pairs, where
+  visible, are the pairs seen only through a sink (W or more back, a sink key), all within the
+  leading `requeried_keys` and in a visited tile that `requeried_tiles` flags (blockwise
+  computes the other queries' logits only there; an off-by-one in the tiles fails at W = 7)."""
+  length = 24
+  mask = masks.MaskSpec(window=window, sinks=sinks)
+  index = np.arange(length)
+  segments = (np.repeat(np.arange(3), [5, 11, 8])[None] if packed
+              else np.zeros((1, length), np.int32))
+  document_index = np.asarray(masks.positions_in_documents(jnp.asarray(segments)))
+  seen = np.asarray(mask.allowed(index, index, segments, segments, document_index))[0, 0]
+  pairs = np.asarray(mask.requeried_pairs(index, index, document_index))
+  pairs = (pairs[0] if pairs.ndim == 3 else pairs) & seen  # across documents: masked anyway
+  q, k = index[:, None], index[None, :]
+  want = seen & (q - k >= window) & (document_index[0][None, :] < sinks)
+  np.testing.assert_array_equal(pairs, want)
+  assert mask.requeries == bool(want.any())
+  assert not pairs[:, mask.requeried_keys(length, packed):].any()
+  num_blocks = length // block
+  tiles = mask.requeried_tiles(num_blocks, block, packed) & mask.tiles(num_blocks, block, packed)
+  in_tiles = np.kron(tiles, np.ones((block, block), bool))
+  assert not (pairs & ~in_tiles).any()
 
 
 def test_the_model_trains_through_blockwise_with_sink_queries():

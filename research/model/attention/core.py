@@ -29,12 +29,13 @@ function in research.model.attention.kv_cache). Query head n reads key/value hea
 * `mask` (research.model.attention.masks.MaskSpec) declares the visible keys: causal, a sliding
   window with sinks, a block-sparse pattern `keep(i, j)`; `segments_BxT` (packed documents) keeps
   attention within a document.
-* `sink_queries` (`SinkQueries`: queries and their score inputs at the queries' cache positions)
-  give the sink pairs (masks.sink_pairs: a sink W or more tokens back) their logits, as
-  StreamingLLM's positions in its rolling cache do: score_mod(scale q_sink . k) with the sink
-  score inputs. xla writes the logits out (the sink columns twice), blockwise computes the sink
-  queries' logits only in the tiles that may hold a sink pair, forward and backward; cudnn
-  refuses them.
+* `other_queries` (`OtherQueries`: other queries and their score inputs) give the pairs the mask
+  spec requeries (MaskSpec.requeried_pairs) their logits: score_mod(scale q_other . k) with the
+  other score inputs. StreamingLLM's positions in its rolling cache are the one user: a sink W or
+  more tokens back is seen from the query at its cache position (research.model.attention.softmax;
+  the core itself never reads the sinks). xla writes the logits out (the requeried keys' columns
+  twice), blockwise computes the other queries' logits only in the tiles that may hold a
+  requeried pair (MaskSpec.requeried_tiles), forward and backward; cudnn and splash refuse them.
 
 Backends (what each can express, and which `auto` picks):
   xla        jax.nn.dot_product_attention(implementation="xla") with the bias and mask
@@ -53,7 +54,7 @@ Backends (what each can express, and which `auto` picks):
   splash     research.model.attention.splash_backend: the TPU's Splash attention kernel (Pallas /
              Mosaic; interpret mode on a CPU): causal, windows, sinks, block-sparse patterns and
              packed documents as Splash masks; refuses a score modification, sinks in packed
-             documents and sink queries by name
+             documents and other queries by name
   auto       cudnn where it can run the call (a GPU, bfloat16 / float16, nothing it refuses);
              splash on a TPU where it can run the call;
              on a CPU (and on a TPU where splash refuses) blockwise from AUTO_BLOCKWISE_FROM (1024) tokens on, or where the
@@ -203,7 +204,7 @@ def query_context(mask, length, segments_BxT=None, block=256):
       keys = start + jnp.arange(block)
       k_segments = None if segments_BxT is None else jnp.take(segments_BxT, keys, axis=1,
                                                               mode="clip")
-      k_document = (None if segments_BxT is None or not mask.sinks
+      k_document = (None if segments_BxT is None or not mask.reads_key_documents
                     else jnp.take(document_index, keys, axis=1, mode="clip"))
       allowed = mask.allowed(index, keys, segments_BxT, k_segments, k_document)
       return (allowed & (keys < length)).sum(-1)[:, 0]  # [B | 1, T]
@@ -211,13 +212,13 @@ def query_context(mask, length, segments_BxT=None, block=256):
   return QueryContext(seen, document_index.astype(jnp.int32))
 
 
-def _context_in_inputs(score_mod, inputs, sink_queries, context):
-  """(score_mod, inputs, sink_queries) for a backend that cuts the score inputs into tiles
+def _context_in_inputs(score_mod, inputs, other_queries, context):
+  """(score_mod, inputs, other_queries) for a backend that cuts the score inputs into tiles
   (blockwise): the queries' context rides in the inputs, (inputs, context), and query_scale
   becomes the start of a `modify` that reads it from the query rows; unchanged without a
   query_scale."""
   if score_mod is None or score_mod.query_scale is None:
-    return score_mod, inputs, sink_queries
+    return score_mod, inputs, other_queries
   inner = score_mod
 
   def bias(params, q_inputs, k_inputs):
@@ -230,27 +231,27 @@ def _context_in_inputs(score_mod, inputs, sink_queries, context):
                                                             k_inputs[0])
 
   context = tuple(context)
-  if sink_queries is not None:
-    sink_queries = sink_queries._replace(inputs=(sink_queries.inputs, context))
+  if other_queries is not None:
+    other_queries = other_queries._replace(inputs=(other_queries.inputs, context))
   return (ScoreMod(bias=None if inner.bias is None else bias, modify=modify),
-          (inputs, context), sink_queries)
+          (inputs, context), other_queries)
 
 
-class SinkQueries(NamedTuple):
-  """The queries of the sink pairs (masks.sink_pairs: a key seen only because it is a sink, W or
-  more tokens back) under StreamingLLM's cache positions: every such pair's logit is
-  score_mod(scale q_sink . k) with the score inputs `inputs` on the query side, every other
-  pair's score_mod(scale q . k) with the usual inputs. q: [B, T, N, H], the queries at their
-  cache positions (a rotary scheme's), or None for the queries themselves (a bias scheme: only
-  the score inputs differ); inputs: the queries' score inputs at their cache positions, a pytree
-  as `inputs`."""
+class OtherQueries(NamedTuple):
+  """The queries of the pairs the mask spec requeries (MaskSpec.requeried_pairs): every such
+  pair's logit is score_mod(scale q_other . k) with the score inputs `inputs` on the query side,
+  every other pair's score_mod(scale q . k) with the usual inputs. q: [B, T, N, H], or None for
+  the queries themselves (only the score inputs differ); inputs: a pytree as `inputs`.
+  StreamingLLM's cache positions (research.model.attention.softmax.SoftmaxAttention.sink_queries)
+  are these: the queries and score inputs at each query's position in the rolling cache, for
+  the pairs whose key is seen only as a sink."""
   q: Any
   inputs: Any
 
 
-def _with_sinks(sink_queries, mask):
-  """sink_queries, or None where the mask has no sink pairs."""
-  return sink_queries if mask.window and mask.sinks else None
+def _with_other_queries(other_queries, mask):
+  """other_queries, or None where the mask requeries no pair."""
+  return other_queries if mask.requeries else None
 
 
 def resolve_normaliser(normaliser, mask=CAUSAL):
@@ -267,15 +268,15 @@ def resolve_normaliser(normaliser, mask=CAUSAL):
     raise ValueError(f"unknown attention normaliser {normaliser!r}; valid: "
                      f"{', '.join(map(repr, NORMALISERS))} or a "
                      "research.model.attention.normalisers.Normaliser instance")
-  if resolved.order_dependent and (mask.window or mask.sinks):
+  if resolved.order_dependent and mask.window:  # sinks come with a window only
     raise ValueError(f"{resolved.name} attention takes no sliding window or sinks (got window="
-                     f"{mask.window}, sinks={mask.sinks}): its weights depend on the order of all "
+                     f"{mask.window}): its weights depend on the order of all "
                      "earlier keys; use window=0")
   return resolved
 
 
 def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=None,
-             platform=None, sink_queries=False, mask=None, segments=False):
+             platform=None, other_queries=False, mask=None, segments=False):
   """Why `backend` cannot run a call with these properties ([] when it can); `segments`: the
   call is in packed documents."""
   platform = platform or target_platform()
@@ -285,7 +286,7 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
       reasons.append(f"'splash' is the TPU's kernel (Mosaic), run in interpret mode on a CPU; "
                      f"JAX runs on {platform!r}")
     reasons += splash_backend.refusals(score_mod=score_mod, mask=mask, segments=segments,
-                                       sink_queries=sink_queries, dtype=dtype)
+                                       other_queries=other_queries, dtype=dtype)
   if backend == "pallas":
     if platform not in ("gpu", "cpu"):
       reasons.append(f"'pallas' is JAX's GPU (Triton) kernel, run in interpret mode on a CPU; "
@@ -299,9 +300,10 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
     if value_dim is not None and head_dim is not None and value_dim != head_dim:
       reasons.append(f"'pallas' needs values as wide as keys, got {value_dim} != {head_dim}")
   if backend == "cudnn":
-    if sink_queries:
-      reasons.append("'cudnn' takes one query per token, not the sink queries of StreamingLLM's "
-                     "cache positions (model.softmax.sink_positions='cache')")
+    if other_queries:
+      reasons.append("'cudnn' takes one query per token, not other queries for some pairs (the "
+                     "sink queries of StreamingLLM's cache positions, "
+                     "model.softmax.sink_positions='cache')")
     if platform != "gpu":
       reasons.append(f"'cudnn' needs a GPU, but JAX runs on {platform!r}")
     if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
@@ -320,7 +322,7 @@ def refusals(backend, *, score_mod=None, head_dim=None, value_dim=None, dtype=No
 
 
 def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=None, *,
-                 score_mod=None, head_dim=None, value_dim=None, sink_queries=False,
+                 score_mod=None, head_dim=None, value_dim=None, other_queries=False,
                  batch_heads=1, mask=None, segments=False):
   """The backend that `auto` runs for `batch_heads` (sequence, head) pairs of `length` tokens:
   cudnn where it may run (among `backends`, and nothing in the call it refuses); splash on a TPU
@@ -335,10 +337,10 @@ def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=
     return "xla"  # the only backend with whole rows
   if "cudnn" in backends and not refusals("cudnn", score_mod=score_mod, head_dim=head_dim,
                                           value_dim=value_dim, dtype=compute_dtype,
-                                          platform=platform, sink_queries=sink_queries):
+                                          platform=platform, other_queries=other_queries):
     return "cudnn"
   if platform == "tpu" and "splash" in backends and not refusals(
-      "splash", score_mod=score_mod, platform=platform, sink_queries=sink_queries, mask=mask,
+      "splash", score_mod=score_mod, platform=platform, other_queries=other_queries, mask=mask,
       segments=segments, dtype=compute_dtype):
     return "splash"
   if platform not in ("cpu", "tpu"):
@@ -351,8 +353,7 @@ def auto_backend(length, backends=BACKENDS, compute_dtype=jnp.float32, platform=
 def _visible(mask, length, segments_BxT):
   """[B | 1, 1, T, T] bool: the keys each query of a sequence sees."""
   index = jnp.arange(length)
-  # In packed documents the sinks of each document are its first tokens.
-  document_index = (None if segments_BxT is None or not mask.sinks
+  document_index = (None if segments_BxT is None or not mask.reads_key_documents
                     else masks.positions_in_documents(segments_BxT))
   return mask.allowed(index, index, segments_BxT, segments_BxT, document_index)
 
@@ -387,28 +388,28 @@ def _default_inputs(inputs, length):
   return jnp.arange(length)[None] if inputs is None else inputs
 
 
-def _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params, inputs,
-                 sink_queries, mask, segments_BxT, context=None):
-  """`logits` [B, N, T, T] with the sink pairs' logits from the sink queries: only the first S
-  keys can be sinks of a single document, any key in packed documents."""
+def _requeried_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params, inputs,
+                      other_queries, mask, segments_BxT, context=None):
+  """`logits` [B, N, T, T] with the requeried pairs' logits from the other queries, over the
+  leading keys that may be in one (MaskSpec.requeried_keys)."""
   t = q_BxTxNxH.shape[1]
-  columns = t if segments_BxT is not None else min(mask.sinks, t)
+  columns = mask.requeried_keys(t, packed=segments_BxT is not None)
   k_inputs = jax.tree.map(lambda x: x[:, :columns], inputs)
-  sinks = (raw[..., :columns] if sink_queries.q is None
-           else grouped_logits(sink_queries.q, k_BxTxKxH[:, :columns], scale))
+  other = (raw[..., :columns] if other_queries.q is None
+           else grouped_logits(other_queries.q, k_BxTxKxH[:, :columns], scale))
   if score_mod is not None:
-    sinks = score_mod.apply(sinks, score_params, sink_queries.inputs, k_inputs, context)
+    other = score_mod.apply(other, score_params, other_queries.inputs, k_inputs, context)
   index = jnp.arange(t)
   document_index = (None if segments_BxT is None
                     else masks.positions_in_documents(segments_BxT)[:, :columns])
-  pairs = mask.sink_pairs(index, index[:columns], document_index)
+  pairs = mask.requeried_pairs(index, index[:columns], document_index)
   pairs = pairs[None, None] if pairs.ndim == 2 else pairs[:, None]
-  head = jnp.where(pairs, sinks.astype(logits.dtype), logits[..., :columns])
+  head = jnp.where(pairs, other.astype(logits.dtype), logits[..., :columns])
   return jnp.concatenate([head, logits[..., columns:]], axis=-1)
 
 
 def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_params=(),
-                  inputs=None, mask=CAUSAL, segments_BxT=None, sink_queries=None,
+                  inputs=None, mask=CAUSAL, segments_BxT=None, other_queries=None,
                   normaliser="softmax"):
   """(float32 attention probabilities [B, N, T, T], the visible keys [B | 1, 1, T, T]) of
   `attend` with the same arguments, materialised: for analyses and interventions (with
@@ -417,15 +418,15 @@ def probabilities(q_BxTxNxH, k_BxTxKxH, *, scale=None, score_mod=None, score_par
   t, h = q_BxTxNxH.shape[1], q_BxTxNxH.shape[-1]
   scale = h ** -0.5 if scale is None else scale
   inputs = _default_inputs(inputs, t)
-  sink_queries = _with_sinks(sink_queries, mask)
+  other_queries = _with_other_queries(other_queries, mask)
   context = (None if score_mod is None or score_mod.query_scale is None
              else query_context(mask, t, segments_BxT))
   raw = logits = grouped_logits(q_BxTxNxH, k_BxTxKxH, scale)
   if score_mod is not None:
     logits = score_mod.apply(logits, score_params, inputs, inputs, context)
-  if sink_queries is not None:
-    logits = _sink_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod, score_params,
-                          inputs, sink_queries, mask, segments_BxT, context)
+  if other_queries is not None:
+    logits = _requeried_logits(logits, raw, q_BxTxNxH, k_BxTxKxH, scale, score_mod,
+                               score_params, inputs, other_queries, mask, segments_BxT, context)
   index = jnp.arange(t)
   visible = normaliser.keys_taking_weight(_visible(mask, t, segments_BxT), index, index)
   if score_mod is not None and score_mod.rowwise and normaliser != normalisers.SOFTMAX:
@@ -448,38 +449,39 @@ def masked_logits(logits_BxNxTxS, visible, score_mod, score_params, q_BxTxNxH,
 
 def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score_params=(),
            inputs=None, mask=CAUSAL, segments_BxT=None, backend="auto", block_size=128,
-           backends=BACKENDS, sink_queries=None, normaliser="softmax"):
+           backends=BACKENDS, other_queries=None, normaliser="softmax"):
   """softmax(score_mod(scale q k^T), mask) v of a sequence to itself; see the module docstring.
 
   scale defaults to 1/sqrt(H); inputs to the positions 0..T-1; `backends` are those the caller
-  allows `auto` to pick from; sink_queries (`SinkQueries`) give the sink pairs their own queries
-  and score inputs (StreamingLLM's cache positions); normaliser "stickbreaking" takes
-  stick-breaking weights instead of the softmax (see the module docstring)."""
+  allows `auto` to pick from; other_queries (`OtherQueries`) give the pairs the mask requeries
+  their own queries and score inputs (StreamingLLM's cache positions); normaliser
+  "stickbreaking" takes stick-breaking weights instead of the softmax (see the module
+  docstring)."""
   b, t, n, h = q_BxTxNxH.shape
   kv_heads, width = k_BxTxKxH.shape[2], v_BxTxKxV.shape[-1]
   if n % kv_heads:
     raise ValueError(f"{kv_heads} key/value heads do not divide {n} query heads")
   scale = h ** -0.5 if scale is None else scale
   inputs = _default_inputs(inputs, t)
-  sink_queries = _with_sinks(sink_queries, mask)
-  with_sinks = sink_queries is not None
+  other_queries = _with_other_queries(other_queries, mask)
+  requeried = other_queries is not None
   normaliser = resolve_normaliser(normaliser, mask)
   if normaliser != normalisers.SOFTMAX:
     return _attend_normalised(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, normaliser, scale=scale,
                               score_mod=score_mod, score_params=score_params, inputs=inputs,
                               mask=mask, segments_BxT=segments_BxT, backend=backend,
                               block_size=block_size, backends=backends,
-                              sink_queries=sink_queries)
+                              other_queries=other_queries)
   if backend == "auto":
     if target_platform() == "tpu" and _without_scores(score_mod, score_params, inputs):
       score_mod = None  # RoPE's: none, so that splash may take the call
     backend = auto_backend(t, backends, q_BxTxNxH.dtype, score_mod=score_mod, head_dim=h,
-                           value_dim=width, sink_queries=with_sinks, batch_heads=b * n,
+                           value_dim=width, other_queries=requeried, batch_heads=b * n,
                            mask=mask, segments=segments_BxT is not None)
   if backend in ("pallas", "splash") and _without_scores(score_mod, score_params, inputs):
     score_mod = None
   reasons = refusals(backend, score_mod=score_mod, head_dim=h, value_dim=width,
-                     sink_queries=with_sinks, mask=mask, segments=segments_BxT is not None,
+                     other_queries=requeried, mask=mask, segments=segments_BxT is not None,
                      dtype=q_BxTxNxH.dtype if backend == "splash" else None)
   if reasons:
     raise ValueError(f"attention backend {backend!r} cannot run this call: {'; '.join(reasons)}")
@@ -493,22 +495,22 @@ def attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, *, scale=None, score_mod=None, score
                                     interpret=target_platform() == "cpu")
   if backend == "blockwise":
     if score_mod is not None and score_mod.query_scale is not None:
-      score_mod, inputs, sink_queries = _context_in_inputs(
-          score_mod, inputs, sink_queries, query_context(mask, t, segments_BxT))
+      score_mod, inputs, other_queries = _context_in_inputs(
+          score_mod, inputs, other_queries, query_context(mask, t, segments_BxT))
     return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
                      block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,
-                     sink_queries=sink_queries)
+                     other_queries=other_queries)
   visible = _sequence_mask(mask, t, segments_BxT)
-  if (score_mod is None or score_mod.additive) and width == h and not with_sinks:
+  if (score_mod is None or score_mod.additive) and width == h and not requeried:
     bias = None if score_mod is None else score_mod.bias(score_params, inputs, inputs)
     bias = None if bias is None else bias.astype(q_BxTxNxH.dtype)
     return jax.nn.dot_product_attention(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, bias=bias, mask=visible,
                                         is_causal=visible is None, scale=scale,
                                         implementation=backend)
-  # A `modify`, values wider than keys or sink queries: the same float32 computation written out.
+  # A `modify`, values wider than keys or other queries: the same float32 computation written out.
   probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
                            score_params=score_params, inputs=inputs, mask=mask,
-                           segments_BxT=segments_BxT, sink_queries=sink_queries)
+                           segments_BxT=segments_BxT, other_queries=other_queries)
   return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)
 
 
@@ -522,7 +524,7 @@ def _without_scores(score_mod, score_params, inputs):
 
 def _attend_normalised(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, normaliser, *, scale, score_mod,
                        score_params, inputs, mask, segments_BxT, backend, block_size, backends,
-                       sink_queries):
+                       other_queries):
   """`attend` with a normaliser other than softmax: blockwise (its per-tile form, or its own
   kernel), or xla (materialised); `auto` picks between the two as for softmax."""
   if backend == "auto":
@@ -538,14 +540,14 @@ def _attend_normalised(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, normaliser, *, scale, sc
     if reasons:
       raise ValueError(f"attention backend 'blockwise' cannot run this call: {'; '.join(reasons)}")
     if score_mod is not None and score_mod.query_scale is not None:
-      score_mod, inputs, sink_queries = _context_in_inputs(
-          score_mod, inputs, sink_queries, query_context(mask, q_BxTxNxH.shape[1], segments_BxT))
+      score_mod, inputs, other_queries = _context_in_inputs(
+          score_mod, inputs, other_queries, query_context(mask, q_BxTxNxH.shape[1], segments_BxT))
     kernel = normaliser.blockwise_kernel() or functools.partial(blockwise, normaliser=normaliser)
     return kernel(q_BxTxNxH, k_BxTxKxH, v_BxTxKxV, inputs, score_mod, score_params,
                   block_size=block_size, scale=scale, mask=mask, segments_BxT=segments_BxT,
-                  sink_queries=sink_queries)
+                  other_queries=other_queries)
   probs, _ = probabilities(q_BxTxNxH, k_BxTxKxH, scale=scale, score_mod=score_mod,
                            score_params=score_params, inputs=inputs, mask=mask,
-                           segments_BxT=segments_BxT, sink_queries=sink_queries,
+                           segments_BxT=segments_BxT, other_queries=other_queries,
                            normaliser=normaliser)
   return grouped_values(probs, v_BxTxKxV).astype(v_BxTxKxV.dtype)

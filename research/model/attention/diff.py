@@ -179,13 +179,13 @@ class DifferentialAttention(softmax.SoftmaxAttention):
                                   eps=SUBLN_EPSILON)
     return (normalised * (1 - self.lambda_init)).astype(self.dtype)
 
-  def attend(self, q_BxLx2NxH, tokens, positions_BxL, segments_BxL=None, sink_queries=None):
+  def attend(self, q_BxLx2NxH, tokens, positions_BxL, segments_BxL=None, other_queries=None):
     """The heads [B, L, N, 2d] before the output projection: the core's attention of the 2N
     query heads to the 2N key heads with the values repeated per pair, their difference, the
     norm and the scale."""
     values = jnp.repeat(tokens["value"], 2, axis=2)  # [B, L, 2N, 2d]: head i reads v_{i // 2}
     o_BxLx2NxV = super().attend(q_BxLx2NxH, {**tokens, "value": values}, positions_BxL,
-                                segments_BxL, sink_queries)
+                                segments_BxL, other_queries)
     return self.head_outputs(differential_heads(o_BxLx2NxV, self.lambda_full()))
 
   def _differential_weights(self, x_BxLxD, positions_BxL, segments_BxL):
@@ -223,18 +223,18 @@ class DifferentialAttention(softmax.SoftmaxAttention):
 
     def from_cache(q, tokens, stored, cache):
       del tokens
-      paired_sinks = None if sinks is None else core.SinkQueries(
+      paired_sinks = None if sinks is None else core.OtherQueries(
           None if sinks.q is None else paired_queries(sinks.q), sinks.inputs)
       o_BxTx2NxV, cache = self.kv_cache.attend(
           paired_queries(q), stored, cache, index_1xT, scale=self.scale(),
           score_mod=score_mod, score_params=params, score_inputs=self.score_inputs,
-          sink_queries=paired_sinks, documents=documents)
+          other_queries=paired_sinks, documents=documents)
       return self.head_outputs(differential_heads(o_BxTx2NxV, lambda_full)), cache
 
     def prefill_empty(q, tokens, stored, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
       stored = {name: x.astype(cache[name].dtype) for name, x in stored.items()}
-      return (self.attend(q, tokens, positions_BxT, segments_BxT, sink_queries=sinks),
+      return (self.attend(q, tokens, positions_BxT, segments_BxT, other_queries=sinks),
               self.kv_cache.write(stored, cache, index_1xT[0], documents))
 
     if x_BxTxD.shape[1] == 1:

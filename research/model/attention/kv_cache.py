@@ -23,9 +23,10 @@ writes them first and attends to the cache up to them (reading before the write,
 cache to keep the old values for the readers); the rolling layout attends to the cached slots and
 the new tokens, then writes (new tokens may overwrite slots that the first of them still see).
 The score inputs of cached keys are computed from their token indices and kept arrays by the
-mixer's `score_inputs(positions, arrays)`, as for the sequence path. With StreamingLLM's cache
-positions (core.SinkQueries) the logits of a query and a sink outside its window (the first S
-slots, and any new token that is a sink of a later one) come from the query at its cache position.
+mixer's `score_inputs(positions, arrays)`, as for the sequence path. Where the sinks sit is the
+rolling layout's to know: with other queries (core.OtherQueries, StreamingLLM's cache positions)
+the pairs the mask spec requeries (a query and a sink outside its window: among the first S
+slots, and any new token that is a sink of a later one) take their logits from them.
 """
 
 import itertools
@@ -49,13 +50,13 @@ def to_cache_layout(name, x_BxTx___):
 
 
 def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
-                     sink_queries=None, document_index_BxT=None,
+                     other_queries=None, document_index_BxT=None,
                      normaliser=normalisers.SOFTMAX):
   """softmax(score_mod(scale q k^T), mask) v of T queries against groups of keys in the cache's
   layout, in one softmax over all of them: parts are (k [B K, S_i, H], v [B K, S_i, V], q_inputs,
-  k_inputs, mask [B' | 1, 1, T, S_i]) and optionally the part's sink pairs [B' | 1, 1, T, P_i]
-  (masks.sink_pairs of its first P_i keys), e.g. the cache and the new tokens. The sink pairs
-  take their logits from `sink_queries` (core.SinkQueries: StreamingLLM's cache positions).
+  k_inputs, mask [B' | 1, 1, T, S_i]) and optionally the part's requeried pairs [B' | 1, 1, T,
+  P_i] (MaskSpec.requeried_pairs of its first P_i keys), e.g. the cache and the new tokens. The
+  requeried pairs take their logits from `other_queries` (core.OtherQueries).
   Logits and softmax in float32, as jax.nn.dot_product_attention's xla implementation; the query
   heads of a group share their key/value head without a repeat.
 
@@ -110,21 +111,21 @@ def cached_attention(q_BxTxNxH, parts, scale, score_mod=None, score_params=(),
     return logits_XxSxGxT
 
   q_XxGxTxH = grouped(q_BxTxNxH) * scale
-  sink_q_XxGxTxH = (None if sink_queries is None or sink_queries.q is None
-                    else grouped(sink_queries.q) * scale)
+  other_q_XxGxTxH = (None if other_queries is None or other_queries.q is None
+                     else grouped(other_queries.q) * scale)
   logits, visible = [], []
-  for k_XxSxH, _, q_inputs, k_inputs, mask, *sink_pairs in parts:
+  for k_XxSxH, _, q_inputs, k_inputs, mask, *requeried in parts:
     raw = jnp.einsum("XSH,XGTH->XSGT", k_XxSxH, q_XxGxTxH, preferred_element_type=jnp.float32)
     logits_XxSxGxT = modified(raw, q_inputs, k_inputs)
-    if sink_queries is not None and sink_pairs:  # the first P keys may be sinks
-      pairs = sink_pairs[0]
+    if other_queries is not None and requeried:  # the first P keys may be requeried
+      pairs = requeried[0]
       p = pairs.shape[-1]
-      sinks = (raw[:, :p] if sink_q_XxGxTxH is None else
-               jnp.einsum("XSH,XGTH->XSGT", k_XxSxH[:, :p], sink_q_XxGxTxH,
+      other = (raw[:, :p] if other_q_XxGxTxH is None else
+               jnp.einsum("XSH,XGTH->XSGT", k_XxSxH[:, :p], other_q_XxGxTxH,
                           preferred_element_type=jnp.float32))
-      sinks = modified(sinks, sink_queries.inputs, jax.tree.map(lambda x: x[:, :p], k_inputs))
+      other = modified(other, other_queries.inputs, jax.tree.map(lambda x: x[:, :p], k_inputs))
       logits_XxSxGxT = jnp.concatenate(
-          [jnp.where(keys_first(pairs), sinks, logits_XxSxGxT[:, :p]), logits_XxSxGxT[:, p:]],
+          [jnp.where(keys_first(pairs), other, logits_XxSxGxT[:, :p]), logits_XxSxGxT[:, p:]],
           axis=1)
     visible.append(keys_first(mask))
     logits.append(jnp.where(visible[-1], logits_XxSxGxT, core.LARGE_NEGATIVE))
@@ -259,15 +260,15 @@ class KVCache:
 
   def attend(self, q_BxTxNxH, tokens, cache, positions_1xT, *, scale, score_mod=None,
              score_params=(), score_inputs=lambda positions, arrays: positions,
-             sink_queries=None, documents=None, normaliser=normalisers.SOFTMAX):
+             other_queries=None, documents=None, normaliser=normalisers.SOFTMAX):
     """(attention of the new tokens' queries to the cache and to each other [B, T, N, V], the
     cache with their arrays written). positions_1xT: the new tokens' token indices, which are
     also their positions unless `documents` (masks.DecodeDocuments: packed documents, a new one
     may start anywhere) gives positions within documents and keeps each query to the keys of
     its own; tokens: the new tokens' per-token arrays, [B, T, ...] (key and value [B, T, K,
     H]); score_inputs(positions, arrays) gives the score inputs of tokens at `positions` from
-    their arrays (new ones, or as the cache keeps them); sink_queries (core.SinkQueries) the
-    queries of the sink pairs under StreamingLLM's cache positions; normaliser
+    their arrays (new ones, or as the cache keeps them); other_queries (core.OtherQueries) the
+    queries of the pairs the mask requeries (StreamingLLM's cache positions); normaliser
     (research.model.attention.normalisers) what weighs the logits (softmax by default; the
     rolling layout's slots are out of order, so it refuses an order-dependent one)."""
     if self.rolling and normaliser.order_dependent:
@@ -291,14 +292,14 @@ class KVCache:
       cached = (cache["key"], cache["value"], q_inputs, score_inputs(key_positions, cache), mask)
       own = (to_cache_layout("key", tokens["key"]), to_cache_layout("value", tokens["value"]),
              q_inputs, q_inputs, own_mask)
-      if sink_queries is not None and self.sinks:
-        # The sinks sit in the first S slots (a document's token d < S in slot d); among the
-        # new tokens any may be a sink of a later one.
-        cached += (self.mask.sink_pairs_in_rows(new_index_T, key_index_BxS[:, :self.sinks],
-                                                starts_BxT),)
-        own += (self.mask.sink_pairs_in_rows(new_index_T, new_index_T[None], starts_BxT),)
+      if other_queries is not None and self.mask.requeries:
+        # The requeried pairs are sink pairs: the sinks sit in the first S slots (a document's
+        # token d < S in slot d); among the new tokens any may be a sink of a later one.
+        cached += (self.mask.requeried_pairs_in_rows(new_index_T, key_index_BxS[:, :self.sinks],
+                                                     starts_BxT),)
+        own += (self.mask.requeried_pairs_in_rows(new_index_T, new_index_T[None], starts_BxT),)
       y = cached_attention(q_BxTxNxH, [cached, own], scale, score_mod, score_params,
-                           sink_queries, document_index_BxT, normaliser)
+                           other_queries, document_index_BxT, normaliser)
       return y, self._write_rolling(tokens, cache, new_index_T, documents)
     index = positions_1xT[0, 0]
     cache = self.write(tokens, cache, positions_1xT[0])

@@ -16,7 +16,9 @@ A pair that is visible only because its key is a sink (i - j >= W, d(j) < S: `si
 where StreamingLLM's positions differ from the tokens' own: its code (mit-han-lab/streaming-llm,
 pos_shift) gives each cached key its slot as position and the query the slot it is appended to, so
 a sink is seen from `cache_positions` c(i) = p(i) - max(0, d(i) - (S + W - 1)), less than S + W
-away (model.softmax.sink_positions = "cache"; research/model/attention/softmax.py).
+away (model.softmax.sink_positions = "cache"; research/model/attention/softmax.py). The attention
+core does not know sinks: it reads the mask spec's `requeried_pairs` (these sink pairs), the pairs
+whose logits a caller may take from other queries (core.OtherQueries), and `requeried_tiles`.
 
 Segments are per-token document ids [B, L], non-decreasing along each row: a packed row of
 several documents. Attention never crosses a segment boundary and recurrent mixers restart their
@@ -264,6 +266,8 @@ class MaskSpec:
   numpy arrays (the tile schedule, computed once at trace time) and on traced ones (the mask
   inside a tile); it must be a pure function of the two indices. Segments (packed documents) are
   data, passed beside the spec. The blockwise backend never visits a tile the spec rules out.
+  The attention core reads the spec through `allowed`, `tiles`, `keys_seen` and the requeried
+  pairs (`requeries`, `requeried_pairs`, `requeried_tiles`): never `window` or `sinks` directly.
   """
   window: int = 0
   sinks: int = 0
@@ -282,17 +286,37 @@ class MaskSpec:
     """[T, S] bool: see `visible` (a query's first-token sinks, no segments)."""
     return visible(q_index_T, k_index_S, self.window, self.sinks, keep=self.keep)
 
-  def sink_pairs(self, q_index_T, k_index_S, k_document_index_BxS=None):
-    """[T, S] (or [B, T, S]) bool: see `sink_pairs`."""
+  # What the attention core reads instead of the sinks themselves.
+
+  @property
+  def reads_key_documents(self):
+    """Whether `allowed` needs the keys' indices within their documents in packed documents
+    (the sinks are the first S tokens of each document)."""
+    return bool(self.sinks)
+
+  @property
+  def requeries(self):
+    """Whether any pair is a requeried pair (`requeried_pairs`): a window with sinks."""
+    return bool(self.window and self.sinks)
+
+  def requeried_pairs(self, q_index_T, k_index_S, k_document_index_BxS=None):
+    """[T, S] (or [B, T, S]) bool: the pairs whose logits may come from other queries
+    (core.OtherQueries): the sink pairs, see `sink_pairs`."""
     return sink_pairs(q_index_T, k_index_S, self.window, self.sinks, k_document_index_BxS)
+
+  def requeried_keys(self, length, packed=False):
+    """How many leading keys of a sequence of `length` may be in a requeried pair: the first S
+    of a single document; any in packed documents."""
+    return length if packed else min(self.sinks, length)
 
   def visible_in_rows(self, q_index_T, k_index_BxS, starts_BxT):
     """[B | 1, 1, T, S] bool: see `visible_in_rows` (a decode cache's slots)."""
     return visible_in_rows(q_index_T, k_index_BxS, starts_BxT, self.window, self.sinks,
                            self.keep)
 
-  def sink_pairs_in_rows(self, q_index_T, k_index_BxS, starts_BxT):
-    """[B | 1, 1, T, S] bool: see `sink_pairs_in_rows`."""
+  def requeried_pairs_in_rows(self, q_index_T, k_index_BxS, starts_BxT):
+    """[B | 1, 1, T, S] bool: `requeried_pairs` for keys given per row (a decode cache's slots):
+    see `sink_pairs_in_rows`."""
     return sink_pairs_in_rows(q_index_T, k_index_BxS, starts_BxT, self.window, self.sinks)
 
   def keys_seen(self, document_index_BxT):
@@ -308,10 +332,10 @@ class MaskSpec:
       return seen
     return jnp.minimum(seen, self.window) + jnp.clip(seen - self.window, 0, self.sinks)
 
-  def sink_tiles(self, num_blocks, block, packed=False):
-    """[num_blocks, num_blocks] numpy bool: tile (i, j) may hold a sink pair (`sink_pairs`):
-    its farthest pair is W or more apart and its key block holds a sink (any block with packed
-    documents)."""
+  def requeried_tiles(self, num_blocks, block, packed=False):
+    """[num_blocks, num_blocks] numpy bool: tile (i, j) may hold a requeried pair (a sink pair,
+    `sink_pairs`): its farthest pair is W or more apart and its key block holds a sink (any
+    block with packed documents)."""
     i, j = np.arange(num_blocks)[:, None], np.arange(num_blocks)[None, :]
     if not (self.window and self.sinks):
       return np.zeros((num_blocks, num_blocks), bool)

@@ -447,8 +447,8 @@ class MoBA(softmax.SoftmaxAttention):
                                      self.block_size)
     return "blockwise" if sparse < (length + 1) / 2 else "xla"
 
-  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, sink_queries=None):
-    del sink_queries  # no window, so no sinks
+  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, other_queries=None):
+    del other_queries  # no window, so no requeried pairs
     length = q_BxLxNxH.shape[1]
     score_mod, params = self.score_mod()
     if self.resolved_backend(length) == "xla":

@@ -139,7 +139,7 @@ class SoftmaxAttention(base.Mixer):
     reasons = core.refusals(
         backend, mask=mask, score_mod=core.ScoreMod() if scores & SCORE_HOOKS else None,
         head_dim=cls.key_dim(model_config), value_dim=cls.value_dim(model_config),
-        sink_queries=bool(mask.window and mask.sinks and settings.sink_positions == "cache"))
+        other_queries=bool(mask.requeries and settings.sink_positions == "cache"))
     if reasons:
       raise ValueError(f"attention_backend {backend!r} cannot run model.position="
                        f"{model_config.position!r} with this model: {'; '.join(reasons)}")
@@ -248,12 +248,12 @@ class SoftmaxAttention(base.Mixer):
   def moves_sinks(self):
     """Whether sink_positions = "cache" changes anything: sinks, and a position scheme whose
     queries / keys (qk) or bias this mixer applies."""
-    return (self.sink_positions == "cache" and bool(self.mask.window and self.mask.sinks)
+    return (self.sink_positions == "cache" and self.mask.requeries
             and bool(self.position.hooks() & self.position_hooks))
 
   def sink_queries(self, x_BxTxD, positions_BxT, tokens, document_index_BxT, segments_BxT=None,
                    cache=None, index=0):
-    """core.SinkQueries of T tokens (None where moves_sinks() is False): the pairs a sink is
+    """core.OtherQueries of T tokens (None where moves_sinks() is False): the pairs a sink is
     seen in only as a sink (W or more tokens back) take the query at its cache position
     c = masks.cache_positions(positions, document_index): its queries from `project` at c (for a
     qk scheme; None for a bias scheme, whose queries do not change) and its score inputs at c;
@@ -266,7 +266,7 @@ class SoftmaxAttention(base.Mixer):
     q = None
     if QK in self.position.hooks() & self.position_hooks:
       q = self.project(x_BxTxD, c_BxT, segments_BxT, cache=cache, index=index)[0]
-    return core.SinkQueries(q, self.score_inputs(c_BxT, tokens))
+    return core.OtherQueries(q, self.score_inputs(c_BxT, tokens))
 
   def _sequence_sink_queries(self, x_BxLxD, positions_BxL, tokens, segments_BxL):
     if not self.moves_sinks():
@@ -277,9 +277,9 @@ class SoftmaxAttention(base.Mixer):
 
   # The sequence path, the analyses and decoding, all through the core.
 
-  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, sink_queries=None):
-    """Attention of a whole sequence to itself through the configured backend (sink_queries:
-    see `sink_queries`)."""
+  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, other_queries=None):
+    """Attention of a whole sequence to itself through the configured backend (other_queries:
+    StreamingLLM's, see `sink_queries`)."""
     score_mod, params = self.score_mod()
     return core.attend(q_BxLxNxH, tokens["key"], tokens["value"], scale=self.scale(),
                        score_mod=score_mod, score_params=params,
@@ -287,7 +287,7 @@ class SoftmaxAttention(base.Mixer):
                        mask=self.sequence_mask(segments_BxL), segments_BxT=segments_BxL,
                        backend=self.backend,
                        block_size=self.block_size, backends=self.backends,
-                       sink_queries=sink_queries, normaliser=self.normaliser())
+                       other_queries=other_queries, normaliser=self.normaliser())
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     q, tokens = self.project(x_BxLxD, positions_BxL, segments_BxL)
@@ -301,7 +301,7 @@ class SoftmaxAttention(base.Mixer):
         q, tokens["key"], scale=self.scale(), score_mod=score_mod, score_params=params,
         inputs=self.score_inputs(positions_BxL, tokens), mask=self.sequence_mask(segments_BxL),
         segments_BxT=segments_BxL,
-        sink_queries=self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL),
+        other_queries=self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL),
         normaliser=self.normaliser())
     return probs, visible, tokens
 
@@ -363,12 +363,12 @@ class SoftmaxAttention(base.Mixer):
     def from_cache(q, tokens, cache):
       layout, score_inputs = self.decode_cache(documents)
       return layout.attend(q, tokens, cache, index_1xT, scale=self.scale(), score_mod=score_mod,
-                           score_params=params, score_inputs=score_inputs, sink_queries=sinks,
+                           score_params=params, score_inputs=score_inputs, other_queries=sinks,
                            documents=documents, normaliser=self.normaliser())
 
     def prefill_empty(q, tokens, cache):
       tokens = {name: x.astype(cache[name].dtype) for name, x in tokens.items()}
-      return (self.attend(q, tokens, positions_BxT, segments_BxT, sink_queries=sinks),
+      return (self.attend(q, tokens, positions_BxT, segments_BxT, other_queries=sinks),
               self.kv_cache.write(tokens, cache, index_1xT[0], documents))
 
     if x_BxTxD.shape[1] == 1:

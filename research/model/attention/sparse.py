@@ -284,12 +284,12 @@ class SparseAttention(softmax.SoftmaxAttention):
     q, tokens = super().project(x_BxTxD, positions_BxT, segments_BxT, cache, index, documents)
     return q, self._by_document(tokens, segments_BxT)
 
-  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, sink_queries=None):
+  def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, other_queries=None):
     # A decode's prompt into an empty document cache comes here with tokens projected without
     # segments (the cache keeps no document index).
     if "document_index" not in tokens:
       tokens = self._by_document(tokens, segments_BxL)
-    return super().attend(q_BxLxNxH, tokens, positions_BxL, segments_BxL, sink_queries)
+    return super().attend(q_BxLxNxH, tokens, positions_BxL, segments_BxL, other_queries)
 
   def decode_cache(self, documents=None):
     """In a packed stream the fixed pattern counts from each document's start: the causal cache,

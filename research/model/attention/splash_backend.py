@@ -41,7 +41,7 @@ from research.model.attention import masks
 LANES = 128  # Splash's key blocks are multiples of the TPU's 128 lanes
 
 
-def refusals(*, score_mod, mask, segments, sink_queries, dtype=None):
+def refusals(*, score_mod, mask, segments, other_queries, dtype=None):
   """Why splash cannot run a call with these properties ([] when it can)."""
   reasons = []
   precision = str(jax.config.jax_default_matmul_precision or "default").lower()
@@ -56,9 +56,10 @@ def refusals(*, score_mod, mask, segments, sink_queries, dtype=None):
   if mask is not None and mask.sinks and segments:
     reasons.append("'splash' cannot place sinks in packed documents (each document's first "
                    "tokens): use 'blockwise'")
-  if sink_queries:
-    reasons.append("'splash' takes one query per token, not the sink queries of StreamingLLM's "
-                   "cache positions (model.softmax.sink_positions='cache')")
+  if other_queries:
+    reasons.append("'splash' takes one query per token, not other queries for some pairs (the "
+                   "sink queries of StreamingLLM's cache positions, "
+                   "model.softmax.sink_positions='cache')")
   return reasons
 
 

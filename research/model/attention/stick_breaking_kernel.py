@@ -78,8 +78,8 @@ class StickBreaking(normalisers.Normaliser):
 
   def blockwise_kernel(self):
     def kernel(q, k, v, inputs, score_mod, score_params, *, block_size, scale, mask,
-               segments_BxT=None, sink_queries=None):
-      del sink_queries  # no window: no sink pairs
+               segments_BxT=None, other_queries=None):
+      del other_queries  # no window: no requeried pairs
       return blockwise_attention(q, k, v, inputs, score_mod, score_params,
                                  block_size=block_size, scale=scale, mask=mask,
                                  segments_BxT=segments_BxT, attend_current=self.attend_current)
