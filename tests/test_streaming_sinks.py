@@ -29,7 +29,8 @@ from flax import nnx
 import research
 from research.model import attention
 from research.model.attention import core, masks
-from research.model.attention.softmax import SINK_POSITIONS
+from research.model.attention import streaming
+from research.model.attention.streaming import SINK_POSITIONS
 from research.model.positions import alibi_slopes
 from tests.conftest import tiny_model_config
 
@@ -244,7 +245,7 @@ def test_blockwise_equals_xla_and_the_naive_reference_forward_and_backward(packe
               else jnp.zeros((2, length), jnp.int32))
   document_index = masks.positions_in_documents(segments)
   positions = document_index
-  cache_positions = masks.cache_positions(positions, document_index, window, sinks)
+  cache_positions = streaming.cache_positions(positions, document_index, window, sinks)
   scheme = attention.position_scheme(
       tiny_model_config(position="t5", num_heads=heads, d_model=8 * heads,
                         t5=dict(num_buckets=8, max_distance=16)), rngs=nnx.Rngs(0))

@@ -32,8 +32,8 @@ function in research.model.attention.kv_cache). Query head n reads key/value hea
 * `other_queries` (`OtherQueries`: other queries and their score inputs) give the pairs the mask
   spec requeries (MaskSpec.requeried_pairs) their logits: score_mod(scale q_other . k) with the
   other score inputs. StreamingLLM's positions in its rolling cache are the one user: a sink W or
-  more tokens back is seen from the query at its cache position (research.model.attention.softmax;
-  the core itself never reads the sinks). xla writes the logits out (the requeried keys' columns
+  more tokens back is seen from the query at its cache position
+  (research.model.attention.streaming; the core itself never reads the sinks). xla writes the logits out (the requeried keys' columns
   twice), blockwise computes the other queries' logits only in the tiles that may hold a
   requeried pair (MaskSpec.requeried_tiles), forward and backward; cudnn and splash refuse them.
 
@@ -242,7 +242,7 @@ class OtherQueries(NamedTuple):
   pair's logit is score_mod(scale q_other . k) with the score inputs `inputs` on the query side,
   every other pair's score_mod(scale q . k) with the usual inputs. q: [B, T, N, H], or None for
   the queries themselves (only the score inputs differ); inputs: a pytree as `inputs`.
-  StreamingLLM's cache positions (research.model.attention.softmax.SoftmaxAttention.sink_queries)
+  StreamingLLM's cache positions (research.model.attention.streaming.SinkPositions.sink_queries)
   are these: the queries and score inputs at each query's position in the rolling cache, for
   the pairs whose key is seen only as a sink."""
   q: Any

@@ -15,8 +15,8 @@ never the position scheme's positions, which may restart at each document.
 A pair that is visible only because its key is a sink (i - j >= W, d(j) < S: `sink_pairs`) is
 where StreamingLLM's positions differ from the tokens' own: its code (mit-han-lab/streaming-llm,
 pos_shift) gives each cached key its slot as position and the query the slot it is appended to, so
-a sink is seen from `cache_positions` c(i) = p(i) - max(0, d(i) - (S + W - 1)), less than S + W
-away (model.softmax.sink_positions = "cache"; research/model/attention/softmax.py). The attention
+a sink is seen from c(i) = p(i) - max(0, d(i) - (S + W - 1)), less than S + W away
+(model.softmax.sink_positions = "cache"; research/model/attention/streaming.py). The attention
 core does not know sinks: it reads the mask spec's `requeried_pairs` (these sink pairs), the pairs
 whose logits a caller may take from other queries (core.OtherQueries), and `requeried_tiles`.
 
@@ -101,7 +101,8 @@ def sink_pairs(q_index_T, k_index_S, window=0, sinks=0, k_document_index_BxS=Non
   """[T, S] bool (or [B, T, S] given the keys' indices within their documents): the pairs that
   see each other only because the key is a sink, i.e. j <= i, i - j >= W and d(j) < S (empty
   without a window or sinks). Under StreamingLLM's cache positions these pairs take the query at
-  its cache position (see `cache_positions`); every other visible pair keeps its positions."""
+  its cache position (research.model.attention.streaming); every other visible pair keeps its
+  positions."""
   q, k = q_index_T[:, None], k_index_S[None, :]
   if not (window and sinks):
     return jnp.zeros(q.shape[:1] + k.shape[1:], bool)
@@ -109,20 +110,6 @@ def sink_pairs(q_index_T, k_index_S, window=0, sinks=0, k_document_index_BxS=Non
   if k_document_index_BxS is None:
     return far & (k < sinks)
   return far & (k_document_index_BxS[:, None, :] < sinks)
-
-
-def cache_positions(positions_BxL, document_index_BxL, window, sinks):
-  """The position each query takes against the sinks under StreamingLLM's cache positions
-  (mit-han-lab/streaming-llm, pos_shift: every cached key at its slot, the query at the slot it
-  is appended to): the query's position less the number of tokens of its document that the
-  rolling cache of S sinks and W window slots has evicted by then,
-
-    c(i) = p(i) - max(0, d(i) - (S + W - 1)),
-
-  with p the position and d the index within the document, so that a sink s (at position d(s))
-  is min(d(i), S + W - 1) - d(s) < S + W away; a window key keeps its distance p(i) - p(j)."""
-  evicted = jnp.maximum(document_index_BxL - (sinks + window - 1), 0)
-  return (positions_BxL - evicted).astype(positions_BxL.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

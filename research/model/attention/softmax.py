@@ -22,15 +22,8 @@ document. With a window the decode cache is a rolling buffer of S + W slots, so 
 grow with the context.
 
 model.softmax.sink_positions says where the position scheme sees a sink that is outside the
-window. "cache" (the default) is StreamingLLM's pos_shift (mit-han-lab/streaming-llm@2e50426,
-streaming_llm/pos_shift/modify_llama.py): there every cached key is rotated at its slot (sinks
-first, then the window in token order) and the query at the slot it is appended to, so a sink is
-at most S + W - 1 away; here the pair takes the query at its cache position c(i) =
-p(i) - max(0, d(i) - (S + W - 1)) (masks.cache_positions): for a qk scheme the query `project`s
-at c(i), for a bias scheme the bias is taken at (c(i), p(s)); the window's pairs keep their
-positions, which for any scheme of the distance alone is StreamingLLM's arithmetic. The same in
-training, evaluation (xla, blockwise) and decoding. "original" keeps every token at its own
-position (what configs saved before the setting existed mean: research/runs/config_fields.py).
+window: "cache" (the default), StreamingLLM's positions in its rolling cache, or "original", each
+token's own (research.model.attention.streaming, which this class mixes in).
 """
 
 import jax
@@ -42,18 +35,18 @@ from research.model.attention import base
 from research.model.attention import core
 from research.model.attention import masks
 from research.model.attention import normalisers
+from research.model.attention import streaming
 from research.model.attention.kv_cache import KVCache
 from research.model import positions
 from research.model.positions import BIAS, CONTEXT, LENGTH, QK, SCORE_HOOKS
 
 BACKENDS = core.BACKENDS
-# model.softmax.sink_positions: the positions the sinks are seen at (see SoftmaxAttention).
-SINK_POSITIONS = ("cache", "original")
+SINK_POSITIONS = streaming.SINK_POSITIONS  # model.softmax.sink_positions
 # model.softmax.projection_bias: which projections have a bias.
 PROJECTION_BIASES = ("none", "qkv", "all")
 
 
-class SoftmaxAttention(base.Mixer):
+class SoftmaxAttention(streaming.SinkPositions, base.Mixer):
   """Base of mha / mqa / gqa (and of softmax-family variants); subclasses say how many
   key/value heads (`kv_heads`)."""
   hyperparameters = {"block_size": 128,  # blockwise backend: query and key block length
@@ -124,10 +117,7 @@ class SoftmaxAttention(base.Mixer):
     if settings.get("projection_bias", "none") not in PROJECTION_BIASES:
       raise ValueError(f"unknown model.softmax.projection_bias {settings.projection_bias!r}; "
                        f"valid: {', '.join(map(repr, PROJECTION_BIASES))}")
-    if settings.sink_positions not in SINK_POSITIONS:
-      raise ValueError(f"unknown model.softmax.sink_positions {settings.sink_positions!r}; valid: "
-                       f"{', '.join(map(repr, SINK_POSITIONS))} (StreamingLLM's positions in the "
-                       "rolling cache, or each token's own position)")
+    streaming.check_sink_positions(settings.sink_positions)
 
   @classmethod
   def _check_kernel(cls, backend, settings, model_config):
@@ -243,38 +233,6 @@ class SoftmaxAttention(base.Mixer):
     and both decode caches."""
     return normalisers.SOFTMAX
 
-  # StreamingLLM's cache positions for the sinks.
-
-  def moves_sinks(self):
-    """Whether sink_positions = "cache" changes anything: sinks, and a position scheme whose
-    queries / keys (qk) or bias this mixer applies."""
-    return (self.sink_positions == "cache" and self.mask.requeries
-            and bool(self.position.hooks() & self.position_hooks))
-
-  def sink_queries(self, x_BxTxD, positions_BxT, tokens, document_index_BxT, segments_BxT=None,
-                   cache=None, index=0):
-    """core.OtherQueries of T tokens (None where moves_sinks() is False): the pairs a sink is
-    seen in only as a sink (W or more tokens back) take the query at its cache position
-    c = masks.cache_positions(positions, document_index): its queries from `project` at c (for a
-    qk scheme; None for a bias scheme, whose queries do not change) and its score inputs at c;
-    the sink keys keep their own positions, the first S of the document. As StreamingLLM's
-    pos_shift, every distance to a sink is then below S + W."""
-    if not self.moves_sinks():
-      return None
-    c_BxT = masks.cache_positions(positions_BxT, document_index_BxT, self.mask.window,
-                                  self.mask.sinks)
-    q = None
-    if QK in self.position.hooks() & self.position_hooks:
-      q = self.project(x_BxTxD, c_BxT, segments_BxT, cache=cache, index=index)[0]
-    return core.OtherQueries(q, self.score_inputs(c_BxT, tokens))
-
-  def _sequence_sink_queries(self, x_BxLxD, positions_BxL, tokens, segments_BxL):
-    if not self.moves_sinks():
-      return None
-    document_index = (jnp.arange(x_BxLxD.shape[1])[None] if segments_BxL is None
-                      else masks.positions_in_documents(segments_BxL))
-    return self.sink_queries(x_BxLxD, positions_BxL, tokens, document_index, segments_BxL)
-
   # The sequence path, the analyses and decoding, all through the core.
 
   def attend(self, q_BxLxNxH, tokens, positions_BxL, segments_BxL=None, other_queries=None):
@@ -291,7 +249,7 @@ class SoftmaxAttention(base.Mixer):
 
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     q, tokens = self.project(x_BxLxD, positions_BxL, segments_BxL)
-    sinks = self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL)
+    sinks = self.sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL)
     return self.out(self.attend(q, tokens, positions_BxL, segments_BxL, sinks))
 
   def _probabilities(self, x_BxLxD, positions_BxL, segments_BxL):
@@ -301,7 +259,7 @@ class SoftmaxAttention(base.Mixer):
         q, tokens["key"], scale=self.scale(), score_mod=score_mod, score_params=params,
         inputs=self.score_inputs(positions_BxL, tokens), mask=self.sequence_mask(segments_BxL),
         segments_BxT=segments_BxL,
-        other_queries=self._sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL),
+        other_queries=self.sequence_sink_queries(x_BxLxD, positions_BxL, tokens, segments_BxL),
         normaliser=self.normaliser())
     return probs, visible, tokens
 
