@@ -253,8 +253,10 @@ class MaskSpec:
   numpy arrays (the tile schedule, computed once at trace time) and on traced ones (the mask
   inside a tile); it must be a pure function of the two indices. Segments (packed documents) are
   data, passed beside the spec. The blockwise backend never visits a tile the spec rules out.
-  The attention core reads the spec through `allowed`, `tiles`, `keys_seen` and the requeried
-  pairs (`requeries`, `requeried_pairs`, `requeried_tiles`): never `window` or `sinks` directly.
+  The attention core reads the sinks only through `allowed`, `tiles`, `keys_seen`,
+  `reads_key_documents` and the requeried pairs (`requeries`, `requeried_pairs`,
+  `requeried_tiles`, `requeried_keys`), never `sinks` itself; the rolling decode cache
+  (research.model.attention.kv_cache) places the sinks in its slots.
   """
   window: int = 0
   sinks: int = 0
