@@ -303,6 +303,57 @@ def test_the_mask_spec_plans_the_requeried_pairs_the_core_reads(window, sinks, b
   assert not (pairs & ~in_tiles).any()
 
 
+class _FarPairs(masks.MaskSpec):
+  """Full causal attention whose pairs 3 or more apart are requeried: no sinks at all."""
+  reads_key_documents = False
+  requeries = True
+
+  def requeried_pairs(self, q_index_T, k_index_S, k_document_index_BxS=None):
+    q, k = q_index_T[:, None], k_index_S[None, :]
+    return (k <= q) & (q - k >= 3)
+
+  def requeried_keys(self, length, packed=False):
+    return length
+
+  def requeried_tiles(self, num_blocks, block, packed=False):
+    i, j = np.arange(num_blocks)[:, None], np.arange(num_blocks)[None, :]
+    return (j <= i) & ((i + 1) * block - 1 - j * block >= 3)
+
+
+def test_the_core_requeries_whatever_pairs_the_mask_spec_names():
+  """The core reads the requeried pairs from the mask spec alone: a spec without sinks that
+  requeries every pair 3 or more apart gets those logits from the other queries, on xla and
+  blockwise, forward and backward (against the formula written out)."""
+  length, heads = 13, 2
+  normal = lambda seed, shape: jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  q, q_other = normal(0, (1, length, heads, 8)), normal(1, (1, length, heads, 8))
+  k, v = normal(2, (1, length, heads, 8)), normal(3, (1, length, heads, 8))
+  d_out = normal(4, q.shape)
+  mask = _FarPairs()
+
+  def naive(q, q_other, k, v):
+    index = jnp.arange(length)
+    far = (index[:, None] - index[None, :] >= 3)[None, None]
+    logits = jnp.where(far, jnp.einsum("bqnh,bknh->bnqk", q_other, k),
+                       jnp.einsum("bqnh,bknh->bnqk", q, k)) * 8 ** -0.5
+    causal = (index[None, :] <= index[:, None])[None, None]
+    weights = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bnqk,bknh->bqnh", weights, v)
+
+  def vjp(f):
+    out, pullback = jax.vjp(f, q, q_other, k, v)
+    return out, pullback(d_out)
+
+  want = vjp(naive)
+  for backend in ("xla", "blockwise"):
+    got = vjp(lambda q, qo, k, v: core.attend(
+        q, k, v, mask=mask, backend=backend, block_size=4,
+        other_queries=core.OtherQueries(qo, jnp.arange(length)[None])))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, atol=2e-5, rtol=2e-5)
+  assert float(jnp.abs(want[1][1]).max()) > 1e-3  # the other queries matter
+
+
 def test_the_model_trains_through_blockwise_with_sink_queries():
   """The gradients of a whole layer (sink queries from the same query projection at other
   positions) agree between blockwise and xla."""
