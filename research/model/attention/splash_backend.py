@@ -9,7 +9,7 @@ the kernel reads per (query block, key block) to skip the blocks nothing in sees
 
   causal                      CausalMask
   sliding window W            LocalMask, window (W - 1, 0): i - W < j <= i
-  window + S sinks, or a      NumpyMask of masks.visible on the padded length (a dense
+  window + S sinks, or a      NumpyMask of MaskSpec.visible on the padded length (a dense
   block-sparse keep(i, j)     [T, T] bool, built once at trace time)
   packed documents            Splash's SegmentIds, and-ed with the mask above
 
@@ -36,7 +36,6 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 from jax.sharding import PartitionSpec
 
-from research.model.attention import masks
 
 LANES = 128  # Splash's key blocks are multiples of the TPU's 128 lanes
 
@@ -53,7 +52,7 @@ def refusals(*, score_mod, mask, segments, other_queries, dtype=None):
   if score_mod is not None:
     reasons.append("'splash' takes no score modification (a bias scheme, gates, CoPE): use "
                    "'blockwise' or 'xla'")
-  if mask is not None and mask.sinks and segments:
+  if mask is not None and mask.reads_key_documents and segments:
     reasons.append("'splash' cannot place sinks in packed documents (each document's first "
                    "tokens): use 'blockwise'")
   if other_queries:
@@ -81,7 +80,7 @@ def _splash_mask(mask, length, padded):
     return mask_lib.LocalMask(shape, window_size=(mask.window - 1, 0), offset=0)
   index = np.arange(padded)
   with jax.ensure_compile_time_eval():
-    dense = np.array(masks.visible(index, index, mask.window, mask.sinks, keep=mask.keep))
+    dense = np.array(mask.visible(index, index))
   dense[length:] = index[None, :] <= index[length:, None]  # padded queries: causal
   return mask_lib.NumpyMask(dense)
 
