@@ -313,8 +313,7 @@ class LanguageModel(nnx.Module):
     masks.check_segments(segments_BxL)
     if positions_BxL is not None:
       return positions_BxL
-    return (jnp.arange(tokens_BxL.shape[1])[None] if segments_BxL is None
-            else masks.positions_in_documents(segments_BxL))
+    return masks.indices_in_documents(tokens_BxL.shape[1], segments_BxL)
 
   def attention_weights(self, tokens_BxL, positions_BxL=None, segments_BxL=None):
     """Per layer, the attention probabilities [B, N, L, L] of the forward pass of `__call__`

@@ -196,8 +196,7 @@ def query_context(mask, length, segments_BxT=None, block=256):
   packed documents): keys_seen in closed form (MaskSpec.keys_seen), or, for a block-sparse
   pattern, the visible keys counted block of keys by block (O(length x block) memory)."""
   index = jnp.arange(length)
-  document_index = (index[None] if segments_BxT is None
-                    else masks.positions_in_documents(segments_BxT))
+  document_index = masks.indices_in_documents(length, segments_BxT)
   seen = mask.keys_seen(document_index)
   if seen is None:
     def count(start):

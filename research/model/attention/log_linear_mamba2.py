@@ -283,8 +283,7 @@ class LogLinearMamba2(chunked.ChunkedRecurrentMixer):
   def __call__(self, x_BxLxD, positions_BxL, segments_BxL=None):
     del positions_BxL  # the levels come from the token indices within each document
     b, length = x_BxLxD.shape[:2]
-    positions = (jnp.arange(length)[None] if segments_BxL is None
-                 else masks.positions_in_documents(segments_BxL))
+    positions = masks.indices_in_documents(length, segments_BxL)
     return self._mix(x_BxLxD, self.init_cache(b, 0), positions, segments_BxL)[0]
 
   def decode(self, x_BxTxD, cache, index, documents=None):

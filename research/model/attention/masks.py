@@ -75,6 +75,14 @@ def positions_in_documents(segments_BxL):
   return (index - first).astype(jnp.int32)
 
 
+def indices_in_documents(length, segments_BxL=None):
+  """Each token's index within its document: [B, L] `positions_in_documents` of packed documents,
+  or [1, L] the token indices 0..L-1 of a single one (segments None)."""
+  if segments_BxL is None:
+    return jnp.arange(length)[None]
+  return positions_in_documents(segments_BxL)
+
+
 def document_starts(segments_BxL):
   """[B, L] bool: True where a token starts a new segment (never at t = 0: a state passed in
   belongs to the first token's document)."""

@@ -118,8 +118,7 @@ class Blocks(NamedTuple):
 def blocks(length, chunk, segments_BxL=None):
   """The Blocks of a row of `length` tokens in blocks of `chunk`, each document's from its start."""
   index_L = jnp.arange(length)
-  within_PxL = (index_L[None] if segments_BxL is None
-                else masks.positions_in_documents(segments_BxL))
+  within_PxL = masks.indices_in_documents(length, segments_BxL)
   offset_PxL = within_PxL % chunk
   starts_block = offset_PxL == 0
   group = jnp.cumsum(starts_block, axis=1) - 1

@@ -215,8 +215,7 @@ class NativeSparseAttention(base.Mixer):
     complete blocks, -1 for none) of a sequence in its `layout` (moba.blocks)."""
     k, v = tokens["key"], tokens["value"]
     length = q.shape[1]
-    within = (jnp.arange(length)[None] if segments_BxL is None
-              else masks.positions_in_documents(segments_BxL))
+    within = masks.indices_in_documents(length, segments_BxL)
     ends_own = (within % self.block == self.block - 1).astype(jnp.int32)  # own block complete
     c = jnp.arange(layout.starts.shape[1])
     first, before = layout.first[..., None], layout.before[..., None]

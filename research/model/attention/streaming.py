@@ -78,6 +78,5 @@ class SinkPositions:
     """`sink_queries` of a whole sequence (packed documents: each its own sinks)."""
     if not self.moves_sinks():
       return None
-    document_index = (jnp.arange(x_BxLxD.shape[1])[None] if segments_BxL is None
-                      else masks.positions_in_documents(segments_BxL))
+    document_index = masks.indices_in_documents(x_BxLxD.shape[1], segments_BxL)
     return self.sink_queries(x_BxLxD, positions_BxL, tokens, document_index, segments_BxL)
